@@ -1,0 +1,28 @@
+# Two commands: `make demo` and `make test`. Both create .venv on first use.
+# TORCH picks the torch requirement; the default matches the CPU wheel on our machines,
+# so a CPU-only machine does not pull a multi-GB CUDA build. Example: make test TORCH=torch==2.6.0
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV ?= .venv
+STAMP := $(VENV)/.installed-$(subst /,_,$(subst =,_,$(subst >,_,$(subst <,_,$(TORCH)))))
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
+PYTEST_ARGS ?=
+
+.PHONY: demo test clean
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --upgrade pip
+	$(VENV)/bin/python -m pip install "$(TORCH)"
+	$(VENV)/bin/python -m pip install -e ".[test,lora,plot]" "$(TORCH)"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/leancompile demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .cache build *.egg-info

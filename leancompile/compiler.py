@@ -1,0 +1,294 @@
+"""The three ways into the pipeline: ``backend()``, ``lean_compile`` and ``install()``.
+
+All three run the same ``Pipeline`` on the post-grad graphs AOTAutograd produces (forward,
+backward and inference). With Inductor our pipeline is Inductor's ``post_grad_custom_pre_pass``,
+so Inductor's own passes and lowering run after it; with ``aot_eager`` the rewritten aten
+graphs run eagerly, traced with Inductor's decompositions and partitioner so the graphs our
+passes see are the ones they would see under Inductor.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from .graphs.report import GraphRecord, Report, _record_report
+from .options import CompileOptions
+from .passes import PASSES
+from .pipeline import Pipeline
+
+__all__ = ["backend", "lean_compile", "install", "Installation", "LeanGraphPass",
+           "leancompile_backend"]
+
+log = logging.getLogger("leancompile")
+
+__version__ = "0.1.0"
+
+try:  # torch >= 2.7
+    from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass as _PassBase
+    _INFERENCE_AWARE = True
+except ImportError:  # pragma: no cover - older torch
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
+    _INFERENCE_AWARE = False
+
+
+def current_rank() -> int:
+    """This process's rank: torch.distributed's when initialised, else ``$RANK``, else 0."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+@functools.lru_cache(maxsize=1)
+def _source_hash() -> str:
+    """Hash of the pass and pipeline sources, so an edited pass never reuses a cached graph."""
+    here = Path(__file__).parent
+    files = sorted({Path(s.module_file) for s in PASSES} | {here / "pipeline.py"})
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _phase_of(graph: fx.Graph, is_inference: bool) -> str:
+    if is_inference:
+        return "inference"
+    if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes):
+        return "backward"
+    return "forward"
+
+
+class LeanGraphPass(_PassBase):
+    """Our pipeline as an Inductor ``post_grad_custom_pre_pass``.
+
+    ``previous`` is a pass that was installed before ours; it runs first, then our pipeline.
+    ``uuid()`` (Inductor's cache key for custom passes) covers the options, the pass names,
+    versions and sources, this rank, and the previous pass's uuid: two ranks or two option sets
+    never share a cached graph. If the previous pass has no uuid, neither do we (Inductor then
+    bypasses its cache, as it would for that pass alone).
+    """
+
+    def __init__(self, options: CompileOptions, *, previous: Any = None,
+                 report: Report | None = None, graph_index: int = 0):
+        self.options = options
+        self.previous = previous
+        self.pipeline = Pipeline(options)
+        self._report = report
+        self._graph_index = graph_index
+
+    def __call__(self, graph: fx.Graph, is_inference: bool = False) -> None:
+        self.run_previous(graph, is_inference=is_inference)
+        gm = graph.owning_module
+        if gm is None:
+            raise RuntimeError("leancompile's pass needs a graph owned by a GraphModule")
+        self.run(gm, phase=_phase_of(graph, is_inference))
+
+    def run_previous(self, graph: fx.Graph, *, is_inference: bool) -> None:
+        """Run the pass that was installed before ours, the way Inductor would have."""
+        if self.previous is None:
+            return
+        if _INFERENCE_AWARE and isinstance(self.previous, _PassBase):
+            self.previous(graph, is_inference=is_inference)
+        else:
+            self.previous(graph)
+
+    def run(self, gm: fx.GraphModule, *, phase: str) -> GraphRecord:
+        record = self.pipeline.run(gm, phase=phase, graph_index=self._graph_index)
+        report = self._report
+        if report is None:  # installed pass: a forward starts a report, its backward joins it
+            last = _latest_unbound.get("report")
+            if phase == "backward" and last is not None and "backward" not in last.phases:
+                report = last
+            else:
+                report = Report(options=self.options.cache_key())
+                _latest_unbound["report"] = report
+                _record_report(report)
+        report.graphs.append(record)
+        return record
+
+    def uuid(self) -> str | None:
+        previous_uuid = None
+        if self.previous is not None:
+            get_uuid = getattr(self.previous, "uuid", None)
+            previous_uuid = get_uuid() if callable(get_uuid) else None
+            if previous_uuid is None:
+                return None
+        payload = {
+            "leancompile": __version__,
+            "passes": [(s.name, s.version) for s in PASSES],
+            "source": _source_hash(),
+            "options": self.options.cache_key(),
+            "rank": current_rank(),
+            "previous": str(previous_uuid),
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+_latest_unbound: dict[str, Report] = {}
+
+
+class LeanBackend:
+    """A ``torch.compile`` backend: AOTAutograd, our pipeline on every post-grad graph, then
+    Inductor or ``aot_eager``. Each Dynamo graph it compiles gets its own ``Report``."""
+
+    def __init__(self, options: CompileOptions, *, on_report: Callable[[Report], None] | None
+                 = None):
+        self.options = options
+        self._on_report = on_report
+        self._graphs_compiled = 0
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        report = Report(options=self.options.cache_key())
+        if self._on_report is not None:
+            self._on_report(report)
+        _record_report(report)
+        graph_pass = LeanGraphPass(
+            self.options, previous=torch._inductor.config.post_grad_custom_pre_pass,
+            report=report, graph_index=self._graphs_compiled)
+        self._graphs_compiled += 1
+        if self.options.compiler == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs,
+                              config_patches={"post_grad_custom_pre_pass": graph_pass})
+        return _aot_eager(graph_pass)(gm, example_inputs)
+
+    def __repr__(self) -> str:
+        return f"leancompile.backend({self.options})"
+
+
+def _aot_eager(graph_pass: LeanGraphPass):
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    def compiler(phase):
+        def compile_graph(gm: fx.GraphModule, example_inputs):
+            gm.graph.eliminate_dead_code()  # Inductor does this before its custom passes
+            graph_pass.run_previous(gm.graph, is_inference=phase == "inference")
+            graph_pass.run(gm, phase=phase)
+            gm.recompile()
+            return make_boxed_func(gm.forward)
+        return compile_graph
+
+    return aot_autograd(
+        fw_compiler=compiler("forward"),
+        bw_compiler=compiler("backward"),
+        inference_compiler=compiler("inference"),
+        decompositions=select_decomp_table(),
+        partition_fn=min_cut_rematerialization_partition,
+        keep_inference_input_mutations=True,
+    )
+
+
+def backend(**options) -> LeanBackend:
+    """A ``torch.compile`` backend running leancompile's passes.
+
+    Options (all keyword): ``compiler`` (``"inductor"`` default, or ``"aot_eager"``),
+    ``disable`` (pass names to skip), ``overlap``, ``schedule``. Unknown names raise
+    ``TypeError``. Example: ``torch.compile(model, backend=leancompile.backend(disable=...))``.
+    """
+    return LeanBackend(CompileOptions.from_kwargs(**options))
+
+
+def leancompile_backend(gm: fx.GraphModule, example_inputs, *, options: dict | None = None,
+                        mode: str | None = None):
+    """The backend registered as ``"leancompile"``: ``torch.compile(m, backend="leancompile",
+    options={...})`` takes the same options as ``leancompile.backend``."""
+    if mode is not None:
+        raise TypeError(
+            f"torch.compile(mode={mode!r}) is an Inductor preset and is not supported with "
+            "backend='leancompile'; pass leancompile options through options={...}")
+    return backend(**(options or {}))(gm, example_inputs)
+
+
+_TORCH_COMPILE_KWARGS = ("fullgraph", "dynamic")
+
+
+def lean_compile(fn=None, *, overlap: str | None = None, schedule: str | None = None,
+                 backend: str = "inductor", disable=(), **options):
+    """Compile a function or module with leancompile's passes; usable as ``@lean_compile`` or
+    ``@lean_compile(backend="aot_eager", ...)``.
+
+    ``backend`` is what compiles the graphs after our passes (``"inductor"`` or
+    ``"aot_eager"``). ``fullgraph`` and ``dynamic`` go to ``torch.compile``; any other keyword
+    raises ``TypeError``.
+    """
+    unknown = sorted(set(options) - set(_TORCH_COMPILE_KWARGS))
+    if unknown:
+        raise TypeError(
+            f"lean_compile got unknown keyword(s) {unknown}; it takes overlap, schedule, "
+            f"backend, disable and the torch.compile options {list(_TORCH_COMPILE_KWARGS)}")
+    lean_backend = LeanBackend(CompileOptions(
+        compiler=backend, disable=disable, overlap=overlap, schedule=schedule))
+
+    def wrap(target):
+        if not callable(target):
+            raise TypeError(f"lean_compile needs a function or module, got "
+                            f"{type(target).__name__}")
+        return torch.compile(target, backend=lean_backend, **options)
+
+    return wrap if fn is None else wrap(fn)
+
+
+class Installation:
+    """Our pipeline installed as Inductor's ``post_grad_custom_pre_pass``.
+
+    Returned by ``install()``; ``uninstall()`` (or leaving the ``with`` block) puts back the
+    pass that was installed before.
+    """
+
+    def __init__(self, options: CompileOptions):
+        from torch._inductor import config
+
+        self.options = options
+        self.previous = config.post_grad_custom_pre_pass
+        self.graph_pass = LeanGraphPass(options, previous=self.previous)
+        config.post_grad_custom_pre_pass = self.graph_pass
+        self.active = True
+        log.info("leancompile installed as post_grad_custom_pre_pass%s",
+                 f" (chained after {self.previous!r})" if self.previous is not None else "")
+
+    def uninstall(self) -> None:
+        from torch._inductor import config
+
+        if not self.active:
+            return
+        if config.post_grad_custom_pre_pass is not self.graph_pass:
+            raise RuntimeError(
+                "another post_grad_custom_pre_pass was installed after leancompile.install() "
+                f"({config.post_grad_custom_pre_pass!r}); remove it first, so that uninstalling"
+                " leancompile does not drop it")
+        config.post_grad_custom_pre_pass = self.previous
+        self.active = False
+
+    def __enter__(self) -> "Installation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+
+def install(**options) -> Installation:
+    """Hook leancompile's passes into Inductor for trainers that already call
+    ``torch.compile``: a plain call installs until ``.uninstall()``; ``with install(...):``
+    installs for the block. A pass already installed runs first, and is restored on exit.
+
+    Takes ``disable``, ``overlap``, ``schedule``; the compiler is the caller's (Inductor).
+    """
+    if "compiler" in options:
+        raise TypeError("install() hooks into Inductor, so it takes no compiler option; use "
+                        "torch.compile(..., backend=leancompile.backend(compiler=...)) instead")
+    return Installation(CompileOptions.from_kwargs(**options))

@@ -1,0 +1,150 @@
+"""What a compile did to its graphs: ``GraphRecord`` per graph, ``Report`` per compile."""
+
+from __future__ import annotations
+
+import difflib
+import html
+import json
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..passes.result import PassResult
+from .printing import op_count_diff
+
+__all__ = ["GraphRecord", "Report", "last_report"]
+
+
+@dataclass(kw_only=True)
+class GraphRecord:
+    """One graph (forward, backward or inference) before and after the pipeline."""
+
+    graph_index: int
+    """Which Dynamo graph of the compile this came from (0 unless there were graph breaks)."""
+    phase: str
+    """``"forward"``, ``"backward"`` or ``"inference"``."""
+    before: str
+    after: str
+    passes: list[PassResult]
+    op_counts_before: Counter
+    op_counts_after: Counter
+
+    @property
+    def name(self) -> str:
+        return f"graph{self.graph_index}_{self.phase}"
+
+    @property
+    def op_diff(self) -> dict[str, tuple[int, int]]:
+        return op_count_diff(self.op_counts_before, self.op_counts_after)
+
+    def summary(self) -> str:
+        lines = [f"{self.name}: {sum(self.op_counts_before.values())} -> "
+                 f"{sum(self.op_counts_after.values())} ops"]
+        for result in self.passes:
+            lines.append(f"  {result.summary()}")
+            for site in result.rewritten:
+                lines.append(f"    rewrote {site}")
+            for site in result.skipped:
+                lines.append(f"    skipped {site}")
+        if self.op_diff:
+            lines.append("  op counts changed:")
+            for op, (b, a) in self.op_diff.items():
+                lines.append(f"    {op}: {b} -> {a}")
+        return "\n".join(lines)
+
+
+@dataclass(kw_only=True)
+class Report:
+    """The graphs one compile produced and what every pass did to each of them.
+
+    ``print(report)`` gives a summary; ``report.save(dir)`` writes the code of every graph
+    before and after and one self-contained HTML page with side-by-side diffs.
+    """
+
+    options: dict
+    graphs: list[GraphRecord] = field(default_factory=list)
+
+    def graph(self, phase: str, index: int = 0) -> GraphRecord:
+        for record in self.graphs:
+            if record.phase == phase and record.graph_index == index:
+                return record
+        have = [r.name for r in self.graphs]
+        raise KeyError(f"no {phase} graph with index {index} in this report; it has {have}")
+
+    @property
+    def phases(self) -> list[str]:
+        return [r.phase for r in self.graphs]
+
+    def pass_results(self, name: str) -> list[PassResult]:
+        return [p for r in self.graphs for p in r.passes if p.name == name]
+
+    def __str__(self) -> str:
+        head = (f"leancompile report: {len(self.graphs)} graph(s) "
+                f"[{', '.join(r.name for r in self.graphs)}], options {self.options}")
+        if not self.graphs:
+            return head + "\n  (no graphs captured: nothing was compiled, or a cache hit skipped"\
+                          " the passes)"
+        return "\n".join([head] + [r.summary() for r in self.graphs])
+
+    def to_dict(self) -> dict:
+        return {
+            "options": self.options,
+            "graphs": [{"name": r.name, "phase": r.phase, "graph_index": r.graph_index,
+                        "passes": [p.to_dict() for p in r.passes],
+                        "op_diff": {k: list(v) for k, v in r.op_diff.items()}}
+                       for r in self.graphs],
+        }
+
+    def save(self, directory) -> Path:
+        """Write ``<name>_before.py``, ``<name>_after.py``, ``report.json``, ``report.txt``
+        and ``report.html`` into ``directory`` (created if missing); returns the HTML path."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        for record in self.graphs:
+            (out / f"{record.name}_before.py").write_text(record.before)
+            (out / f"{record.name}_after.py").write_text(record.after)
+        (out / "report.txt").write_text(str(self) + "\n")
+        (out / "report.json").write_text(json.dumps(self.to_dict(), indent=2, default=str))
+        page = out / "report.html"
+        page.write_text(self.html())
+        return page
+
+    def html(self) -> str:
+        differ = difflib.HtmlDiff(wrapcolumn=100)
+        parts = []
+        for record in self.graphs:
+            rows = "".join(
+                f"<tr><td>{html.escape(op)}</td><td>{b}</td><td>{a}</td></tr>"
+                for op, (b, a) in record.op_diff.items()) or "<tr><td colspan=3>no change</td></tr>"
+            parts.append(
+                f"<h2>{html.escape(record.name)}</h2>"
+                f"<pre>{html.escape(record.summary())}</pre>"
+                f"<table class='ops'><tr><th>op</th><th>before</th><th>after</th></tr>{rows}"
+                "</table>"
+                + differ.make_table(record.before.splitlines(), record.after.splitlines(),
+                                    fromdesc="before", todesc="after"))
+        style = ("body{font-family:sans-serif} pre{background:#f6f6f6;padding:6px} "
+                 "table.diff{font-family:monospace;font-size:12px;border:1px solid #ccc} "
+                 ".diff_add{background:#aaffaa} .diff_chg{background:#ffff77} "
+                 ".diff_sub{background:#ffaaaa} table.ops td,table.ops th{padding:2px 8px}")
+        return (
+            "<!DOCTYPE html><html><head><meta charset='utf-8'><title>leancompile report</title>"
+            f"<style>{style}</style></head><body><h1>leancompile report</h1>"
+            f"<p>options: {html.escape(str(self.options))}</p>"
+            + "".join(parts) + "</body></html>")
+
+
+_lock = threading.Lock()
+_last: list[Report] = []
+
+
+def _record_report(report: Report) -> None:
+    with _lock:
+        _last[:] = [report]
+
+
+def last_report() -> Report | None:
+    """The report of the latest compile through leancompile in this process (or ``None``)."""
+    with _lock:
+        return _last[0] if _last else None

@@ -1,0 +1,73 @@
+"""The options every entry point takes, validated once, in one keyword-only dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+__all__ = ["CompileOptions", "COMPILERS"]
+
+COMPILERS = ("inductor", "aot_eager")
+# Values later passes will accept; until they land, anything but None is refused with a reason.
+_OVERLAP_VALUES: tuple = (None,)
+_SCHEDULE_VALUES: tuple = (None,)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """Options of the leancompile pipeline.
+
+    Build it with ``CompileOptions.from_kwargs(**options)`` to get an error that names an
+    unknown option and lists the known ones.
+    """
+
+    compiler: str = "inductor"
+    """What compiles the graphs after our passes: ``"inductor"`` or ``"aot_eager"`` (runs the
+    rewritten aten graphs eagerly; for tests and debugging)."""
+
+    disable: tuple[str, ...] = field(default_factory=tuple)
+    """Names of passes to skip (see ``leancompile.passes.pass_names()``)."""
+
+    overlap: str | None = None
+    """Communication/compute overlap rewrite (FlashOverlap). Not available in this version."""
+
+    schedule: str | None = None
+    """LeanGRPO schedule for policy steps. Not available in this version."""
+
+    def __post_init__(self):
+        from .passes import pass_names
+
+        if self.compiler not in COMPILERS:
+            raise ValueError(
+                f"compiler={self.compiler!r} is not supported; use one of {COMPILERS}")
+        if isinstance(self.disable, str):
+            object.__setattr__(self, "disable", (self.disable,))
+        object.__setattr__(self, "disable", tuple(self.disable))
+        known = pass_names()
+        unknown = [name for name in self.disable if name not in known]
+        if unknown:
+            raise ValueError(
+                f"disable={self.disable!r} names unknown pass(es) {unknown}; "
+                f"the passes are {list(known)}")
+        if self.overlap not in _OVERLAP_VALUES:
+            raise ValueError(
+                f"overlap={self.overlap!r} is not available in this version of leancompile "
+                "(the FlashOverlap pass has not landed yet); leave overlap=None")
+        if self.schedule not in _SCHEDULE_VALUES:
+            raise ValueError(
+                f"schedule={self.schedule!r} is not available in this version of leancompile "
+                "(the LeanGRPO schedules have not landed yet); leave schedule=None")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "CompileOptions":
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise TypeError(
+                f"unknown leancompile option(s) {unknown}; the options are {names}")
+        return cls(**kwargs)
+
+    def cache_key(self) -> dict:
+        """Everything that changes what the passes produce, as plain JSON-able data."""
+        return {"compiler": self.compiler, "disable": sorted(self.disable),
+                "overlap": self.overlap, "schedule": self.schedule}

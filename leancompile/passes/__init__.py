@@ -1,0 +1,42 @@
+"""FX graph passes, one per module; the registry below is the order they run in.
+
+Each pass is a plain function ``<name>_pass(gm) -> PassResult`` over a post-grad graph (the
+forward, backward or inference graph AOTAutograd hands to the compiler). The graph contract
+every pass keeps is in ``passes/README.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.fx as fx
+
+from . import canonicalize
+from .canonicalize import canonicalize_pass
+from .result import PassResult, Site
+
+__all__ = ["PassSpec", "PASSES", "pass_names", "canonicalize_pass", "PassResult", "Site"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassSpec:
+    """A named pass: the function, a version that goes into the compile cache key, and a line
+    saying what it does."""
+
+    name: str
+    fn: Callable[[fx.GraphModule], PassResult]
+    version: int
+    doc: str
+    module_file: str
+
+
+# Order matters: canonicalisation first, so every later matcher sees one spelling.
+PASSES: tuple[PassSpec, ...] = (
+    PassSpec(name=canonicalize.NAME, fn=canonicalize_pass, version=canonicalize.VERSION,
+             doc="views to reshape, dead pure code dropped", module_file=canonicalize.__file__),
+)
+
+
+def pass_names() -> tuple[str, ...]:
+    return tuple(spec.name for spec in PASSES)

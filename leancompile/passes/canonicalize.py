@@ -1,0 +1,149 @@
+"""Canonicalisation: one spelling for reshapes, and dead code dropped, before any matcher runs.
+
+Post-grad graphs spell "the same tensor with another shape" three ways (``aten.view``,
+``aten._unsafe_view``, ``aten.reshape``) and keep nodes whose results nobody reads. Matchers in
+later passes (FlashOverlap's ``all_gather -> reshape -> mm``) then need one case per spelling and
+trip over dead users. This pass rewrites the graph so that matchers see ``aten.reshape.default``
+only and every node has a reader or a side effect.
+
+Before::
+
+    mm = aten.mm(x, w)
+    v = aten._unsafe_view(mm, [2, 8, 16])
+    unused = aten.relu(v)              # nobody reads it
+    out = aten.view(v, [16, 16])
+
+After::
+
+    mm = aten.mm(x, w)
+    v = aten.reshape(mm, [2, 8, 16])
+    out = aten.reshape(v, [16, 16])
+
+Why it is legal: ``view`` only exists where the input is viewable, and there ``reshape`` returns
+the same view, so values, strides and aliasing are unchanged. ``_unsafe_view`` promises that its
+result does not alias its input; ``reshape`` may alias, so it is rewritten only where nobody else
+can observe the difference: the input is an intermediate (not a graph input or output) read by
+this node alone. Dead nodes are dropped only when they are pure: collectives, mutations and
+random ops (which advance the generator) stay, and are reported as skipped with that reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .result import PassResult
+
+__all__ = ["canonicalize_pass", "find_reshape_matches", "find_dead_code_matches", "VERSION"]
+
+VERSION = 1
+NAME = "canonicalize"
+
+aten = torch.ops.aten
+_VIEW_OPS = (aten.view.default, aten._unsafe_view.default)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ReshapeMatch:
+    node: fx.Node
+
+
+@dataclass(frozen=True, kw_only=True)
+class _DeadMatch:
+    node: fx.Node
+
+
+def _is_graph_output(node: fx.Node) -> bool:
+    return any(user.op == "output" for user in node.users)
+
+
+def find_reshape_matches(graph: fx.Graph, result: PassResult) -> list[_ReshapeMatch]:
+    """Every ``view``/``_unsafe_view`` that can become ``reshape``; the others go to ``result``."""
+    matches = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _VIEW_OPS:
+            continue
+        if node.target is aten._unsafe_view.default:
+            base = node.args[0]
+            if not isinstance(base, fx.Node) or base.op == "placeholder":
+                result.skip(node, "view->reshape", "input is a graph input; _unsafe_view's "
+                            "no-alias promise would be lost")
+                continue
+            if _is_graph_output(base):
+                result.skip(node, "view->reshape", "input is also a graph output; _unsafe_view's "
+                            "no-alias promise would be lost")
+                continue
+            if len(base.users) != 1:
+                result.skip(node, "view->reshape", f"input has {len(base.users)} readers; "
+                            "_unsafe_view's no-alias promise would be lost")
+                continue
+        matches.append(_ReshapeMatch(node=node))
+    return matches
+
+
+def rewrite_reshape(match: _ReshapeMatch) -> None:
+    """``view(x, shape)`` / ``_unsafe_view(x, shape)`` -> ``reshape(x, shape)``, meta kept."""
+    match.node.target = aten.reshape.default
+
+
+def _side_effect_reason(node: fx.Node) -> str | None:
+    target = node.target
+    namespace = getattr(target, "namespace", "") or getattr(
+        getattr(target, "_overloadpacket", None), "__module__", "")
+    if namespace in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor"):
+        return "collective: every rank must issue it"
+    schema = getattr(target, "_schema", None)
+    if schema is not None and any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return "mutates an input"
+    tags = getattr(target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags:
+        return "random op: dropping it would shift the random stream"
+    if node.is_impure():
+        return "has side effects"
+    return None
+
+
+def find_dead_code_matches(graph: fx.Graph, result: PassResult) -> list[_DeadMatch]:
+    """Unread ``call_function`` nodes that are safe to drop, in reverse graph order.
+
+    Dropping a node can make its inputs dead; the scan walks backwards and counts users that
+    are themselves about to be dropped, so whole dead chains come out in one call.
+    """
+    dead: set[fx.Node] = set()
+    matches = []
+    for node in reversed(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if any(user not in dead for user in node.users):
+            continue
+        reason = _side_effect_reason(node)
+        if reason is not None:
+            if not node.users:
+                result.skip(node, "dead code", f"unread but kept: {reason}")
+            continue
+        dead.add(node)
+        matches.append(_DeadMatch(node=node))
+    return matches
+
+
+def rewrite_dead_code(match: _DeadMatch) -> None:
+    """Erase an unread, pure node (its users, if any, were erased before it)."""
+    match.node.graph.erase_node(match.node)
+
+
+def canonicalize_pass(gm: fx.GraphModule) -> PassResult:
+    """Rewrite views to ``aten.reshape`` and drop dead pure nodes; see the module docstring."""
+    result = PassResult(name=NAME)
+    for match in find_dead_code_matches(gm.graph, result):
+        rewrite_dead_code(match)
+        result.rewrite(match.node, "dead code")
+    for match in find_reshape_matches(gm.graph, result):
+        rewrite_reshape(match)
+        result.rewrite(match.node, "view->reshape")
+    if result.rewritten:
+        gm.graph.lint()
+        gm.recompile()
+    return result

@@ -1,0 +1,74 @@
+"""What a pass reports: the sites it rewrote and the sites it left alone, with reasons."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+__all__ = ["Site", "PassResult"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Site:
+    """One place in a graph a pass looked at.
+
+    ``node`` is the name of the anchor node in the graph the pass saw (before rewriting);
+    ``kind`` names the pattern (``"view->reshape"``, ``"dead code"``, ``"all_gather+mm"``);
+    ``reason`` is empty for rewritten sites and says why for skipped ones.
+    """
+
+    node: str
+    kind: str
+    target: str = ""
+    reason: str = ""
+
+    def __str__(self) -> str:
+        where = f"{self.node} ({self.target})" if self.target else self.node
+        return f"{self.kind} at {where}" + (f": {self.reason}" if self.reason else "")
+
+
+@dataclass(kw_only=True)
+class PassResult:
+    """The record one pass run leaves: rewritten sites, skipped sites (with reasons), seconds."""
+
+    name: str
+    rewritten: list[Site] = field(default_factory=list)
+    skipped: list[Site] = field(default_factory=list)
+    seconds: float = 0.0
+    disabled: bool = False
+
+    def rewrite(self, node, kind: str) -> None:
+        self.rewritten.append(Site(node=_name(node), kind=kind, target=_target(node)))
+
+    def skip(self, node, kind: str, reason: str) -> None:
+        if not reason:
+            raise ValueError("a skipped site needs a reason")
+        self.skipped.append(Site(node=_name(node), kind=kind, target=_target(node), reason=reason))
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.rewritten)
+
+    def summary(self) -> str:
+        if self.disabled:
+            return f"{self.name}: disabled"
+        return (
+            f"{self.name}: {len(self.rewritten)} rewritten, {len(self.skipped)} skipped"
+            f" ({self.seconds * 1e3:.1f} ms)"
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _name(node) -> str:
+    return node if isinstance(node, str) else getattr(node, "name", str(node))
+
+
+def _target(node) -> str:
+    target = getattr(node, "target", None)
+    if target is None or isinstance(node, str):
+        return ""
+    if hasattr(target, "_schema") or isinstance(target, str):  # OpOverload: "aten.mm.default"
+        return str(target)
+    return getattr(target, "__name__", str(target))

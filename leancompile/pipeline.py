@@ -1,0 +1,68 @@
+"""The pass runner: an ordered pipeline of named passes over one post-grad graph.
+
+``Pipeline.run(gm, phase=...)`` runs every enabled pass in order, records what each did (a
+``PassResult``), the graph code before and after, and, when ``LEANCOMPILE_DEBUG=<dir>`` is set
+in the environment, writes the graph before and after every pass to that folder as Python.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch.fx as fx
+
+from .graphs.printing import graph_code, op_counts
+from .graphs.report import GraphRecord
+from .options import CompileOptions
+from .passes import PASSES, PassSpec
+from .passes.result import PassResult
+
+__all__ = ["Pipeline", "DEBUG_ENV"]
+
+log = logging.getLogger("leancompile")
+
+DEBUG_ENV = "LEANCOMPILE_DEBUG"
+_dump_counter = itertools.count()
+
+
+class Pipeline:
+    """The ordered passes an option set enables. ``disable`` names were validated by
+    ``CompileOptions``; disabled passes still appear in the results, marked ``disabled``."""
+
+    def __init__(self, options: CompileOptions):
+        self.options = options
+        self.specs: tuple[PassSpec, ...] = PASSES
+        log.debug("leancompile pipeline: %s", ", ".join(
+            f"{s.name}{' (disabled)' if s.name in options.disable else ''}" for s in self.specs))
+
+    def run(self, gm: fx.GraphModule, *, phase: str, graph_index: int = 0) -> GraphRecord:
+        before = graph_code(gm)
+        counts_before = op_counts(gm)
+        debug_dir = os.environ.get(DEBUG_ENV)
+        dump_dir = None
+        if debug_dir:
+            dump_dir = Path(debug_dir) / f"{next(_dump_counter):03d}_graph{graph_index}_{phase}"
+            dump_dir.mkdir(parents=True, exist_ok=True)
+        results: list[PassResult] = []
+        for i, spec in enumerate(self.specs):
+            if spec.name in self.options.disable:
+                results.append(PassResult(name=spec.name, disabled=True))
+                continue
+            if dump_dir is not None:
+                (dump_dir / f"{i:02d}_{spec.name}_before.py").write_text(graph_code(gm))
+            start = time.perf_counter()
+            result = spec.fn(gm)
+            result.seconds = time.perf_counter() - start
+            results.append(result)
+            log.info("leancompile %s graph %d: %s", phase, graph_index, result.summary())
+            for site in result.skipped:
+                log.debug("leancompile %s: skipped %s", spec.name, site)
+            if dump_dir is not None:
+                (dump_dir / f"{i:02d}_{spec.name}_after.py").write_text(graph_code(gm))
+        return GraphRecord(
+            graph_index=graph_index, phase=phase, before=before, after=graph_code(gm),
+            passes=results, op_counts_before=counts_before, op_counts_after=op_counts(gm))
