@@ -160,8 +160,13 @@ class LeanBackend:
         if self.options.compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, example_inputs,
-                              config_patches={"post_grad_custom_pre_pass": graph_pass})
+            compiled = compile_fx(gm, example_inputs,
+                                  config_patches={"post_grad_custom_pre_pass": graph_pass})
+            if not report.graphs:
+                report.cached = True
+                log.info("leancompile: graph %d served from Inductor's cache; passes not rerun",
+                         graph_pass._graph_index)
+            return compiled
         return _aot_eager(graph_pass)(gm, example_inputs)
 
     def __repr__(self) -> str:

@@ -43,8 +43,11 @@ class GraphRecord:
                  f"{sum(self.op_counts_after.values())} ops"]
         for result in self.passes:
             lines.append(f"  {result.summary()}")
-            for site in result.rewritten:
-                lines.append(f"    rewrote {site}")
+            kinds = Counter(site.kind for site in result.rewritten)
+            for kind, count in sorted(kinds.items()):
+                nodes = [site.node for site in result.rewritten if site.kind == kind]
+                shown = ", ".join(nodes[:6]) + (", ..." if len(nodes) > 6 else "")
+                lines.append(f"    rewrote {count} x {kind}: {shown}")
             for site in result.skipped:
                 lines.append(f"    skipped {site}")
         if self.op_diff:
@@ -64,6 +67,11 @@ class Report:
 
     options: dict
     graphs: list[GraphRecord] = field(default_factory=list)
+    cached: bool = False
+    """True when Inductor served the compiled forward from its cache (FX graph cache or
+    AOTAutograd cache): the passes did not run in this process, so there is nothing to show.
+    The cache key holds our pass uuid, so the cached graphs came from the same passes, options
+    and rank."""
 
     def graph(self, phase: str, index: int = 0) -> GraphRecord:
         for record in self.graphs:
@@ -82,14 +90,18 @@ class Report:
     def __str__(self) -> str:
         head = (f"leancompile report: {len(self.graphs)} graph(s) "
                 f"[{', '.join(r.name for r in self.graphs)}], options {self.options}")
+        if self.cached and not self.graphs:
+            return head + ("\n  served from Inductor's compile cache: the passes ran when the "
+                           "cache entry was made (same passes, options and rank), not now; use "
+                           "leancompile.explain() to see the graphs")
         if not self.graphs:
-            return head + "\n  (no graphs captured: nothing was compiled, or a cache hit skipped"\
-                          " the passes)"
+            return head + "\n  (no graphs captured yet)"
         return "\n".join([head] + [r.summary() for r in self.graphs])
 
     def to_dict(self) -> dict:
         return {
             "options": self.options,
+            "cached": self.cached,
             "graphs": [{"name": r.name, "phase": r.phase, "graph_index": r.graph_index,
                         "passes": [p.to_dict() for p in r.passes],
                         "op_diff": {k: list(v) for k, v in r.op_diff.items()}}

@@ -1,0 +1,102 @@
+"""Command line: ``leancompile explain FILE.py:NAME`` and ``leancompile demo``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main", "load_target"]
+
+
+def _load_module(spec: str):
+    if spec.endswith(".py") or "/" in spec:
+        path = Path(spec)
+        if not path.is_file():
+            raise SystemExit(f"leancompile: no such file {spec!r}")
+        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.path.insert(0, str(path.resolve().parent))
+        try:
+            module_spec.loader.exec_module(module)
+        finally:
+            sys.path.pop(0)
+        return module
+    return importlib.import_module(spec)
+
+
+def load_target(target: str, args_name: str = "example_args"):
+    """``FILE.py:NAME`` or ``package.module:NAME`` -> (the callable, its example arguments).
+
+    The arguments come from ``args_name`` in the same file: a tuple, or a function returning
+    one."""
+    if ":" not in target:
+        raise SystemExit(f"leancompile: expected FILE.py:NAME or module:NAME, got {target!r}")
+    where, name = target.rsplit(":", 1)
+    module = _load_module(where)
+    if not hasattr(module, name):
+        raise SystemExit(f"leancompile: {where} has no {name!r}")
+    if not hasattr(module, args_name):
+        raise SystemExit(
+            f"leancompile: {where} defines no {args_name!r}; add `def {args_name}(): return "
+            f"(tensor, ...)` with example arguments for {name}, or name another with --args")
+    args = getattr(module, args_name)
+    args = args() if callable(args) else args
+    if not isinstance(args, tuple):
+        args = (args,)
+    return getattr(module, name), args
+
+
+def _cmd_explain(ns) -> int:
+    from .explain import explain
+
+    fn, args = load_target(ns.target, ns.args)
+    options = {"compiler": ns.compiler}
+    if ns.disable:
+        options["disable"] = tuple(ns.disable)
+    report = explain(fn, *args, **options)
+    if ns.json:
+        print(json.dumps(report.to_dict(), indent=2, default=str))
+    else:
+        print(report)
+    if ns.out:
+        page = report.save(ns.out)
+        print(f"wrote graph code and {page}", file=sys.stderr if ns.json else sys.stdout)
+    return 0
+
+
+def _cmd_demo(ns) -> int:
+    from .demos import run_demo
+
+    return run_demo(ns.name, out=ns.out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="leancompile", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("explain", help="show what leancompile's passes do to a function's graphs")
+    p.add_argument("target", help="FILE.py:NAME or package.module:NAME")
+    p.add_argument("--args", default="example_args",
+                   help="name in the same file of the example arguments (a tuple or a function "
+                        "returning one); default: example_args")
+    p.add_argument("--compiler", default="inductor", choices=("inductor", "aot_eager"))
+    p.add_argument("--disable", action="append", default=[], help="pass name to skip")
+    p.add_argument("--out", help="folder for the before/after code and report.html")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_explain)
+
+    d = sub.add_parser("demo", help="run a demo")
+    d.add_argument("name", nargs="?", default="explain", choices=("explain",))
+    d.add_argument("--out", default="leancompile-out", help="output folder")
+    d.set_defaults(func=_cmd_demo)
+
+    ns = parser.parse_args(argv)
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Tiny models the tests share, and an eager-autograd reference to compare against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32),
+                         nn.Linear(32, 8))
+
+
+def tiny_flux(seed: int = 0):
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8], guidance_embeds=True)
+
+
+def flux_inputs(batch: int = 2, height: int = 4, width: int = 4, text: int = 8, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    img_ids = torch.zeros(height * width, 3)
+    img_ids[:, 1] = torch.arange(height).repeat_interleave(width)
+    img_ids[:, 2] = torch.arange(width).repeat(height)
+    return dict(
+        hidden_states=torch.randn(batch, height * width, 4, generator=g),
+        encoder_hidden_states=torch.randn(batch, text, 32, generator=g),
+        pooled_projections=torch.randn(batch, 32, generator=g),
+        timestep=torch.rand(batch, generator=g),
+        guidance=torch.full((batch,), 3.5),
+        img_ids=img_ids,
+        txt_ids=torch.zeros(text, 3),
+    )
+
+
+def flux_step(model):
+    """A training-step function over the flux model: (latents, text, pooled, t) -> velocity."""
+    def step(hidden_states, encoder_hidden_states, pooled_projections, timestep, guidance,
+             img_ids, txt_ids):
+        return model(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                     pooled_projections=pooled_projections, timestep=timestep,
+                     guidance=guidance, img_ids=img_ids, txt_ids=txt_ids,
+                     return_dict=False)[0]
+    return step
+
+
+def outputs_and_grads(model, fn, args, *, seed: int = 123):
+    """Run fn(*args), backprop a fixed random cotangent, return (output, {name: grad})."""
+    model.zero_grad(set_to_none=True)
+    out = fn(*args)
+    g = torch.Generator().manual_seed(seed)
+    cotangent = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    out.backward(cotangent)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+def assert_same_training_step(model, eager_fn, compiled_fn, args, *, atol=1e-5, rtol=1e-5):
+    out_ref, grads_ref = outputs_and_grads(model, eager_fn, args)
+    out, grads = outputs_and_grads(model, compiled_fn, args)
+    torch.testing.assert_close(out, out_ref, atol=atol, rtol=rtol)
+    assert grads.keys() == grads_ref.keys() and grads_ref
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], atol=atol, rtol=rtol,
+                                   msg=lambda m, name=name: f"gradient of {name}: {m}")

@@ -1,0 +1,143 @@
+"""explain(): both graphs before and after, per-pass sites, op diff, save(), no compute."""
+
+import json
+
+import pytest
+import torch
+
+import leancompile
+from models import flux_inputs, flux_step, mlp, tiny_flux
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_explain_mlp_shows_forward_and_backward(compiler):
+    model = mlp()
+    report = leancompile.explain(model, torch.randn(4, 16), compiler=compiler)
+    assert report.phases == ["forward", "backward"]
+    forward, backward = report.graph("forward"), report.graph("backward")
+    assert "aten.addmm" in forward.before and "aten.addmm" in forward.after
+    assert "tangents_1" in backward.before and "tangents_1" in backward.after
+    assert [p.name for p in forward.passes] == ["canonicalize"]
+    assert report is leancompile.last_report()
+    text = str(report)
+    assert "graph0_forward" in text and "graph0_backward" in text and "canonicalize" in text
+
+
+def test_explain_aot_eager_reports_rewrites_with_op_diff():
+    report = leancompile.explain(mlp(), torch.randn(4, 16), compiler="aot_eager")
+    backward = report.graph("backward")
+    (result,) = backward.passes
+    views = backward.op_counts_before["aten.view.default"]
+    assert views > 0
+    assert sum(s.kind == "view->reshape" for s in result.rewritten) == views
+    assert backward.op_diff["aten.view.default"] == (views, 0)
+    assert "aten.view.default" not in backward.after and "aten.view.default" in backward.before
+    assert f"rewrote {views} x view->reshape" in str(report)
+
+
+_calls = []
+
+
+@torch.library.custom_op("leancompile_test::counted", mutates_args=())
+def _counted(x: torch.Tensor) -> torch.Tensor:
+    _calls.append(1)
+    return x * 2
+
+
+@_counted.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_counted.register_autograd(lambda ctx, grad: grad * 2)
+
+
+def test_explain_computes_nothing():
+    """The real kernel of an op in the graph never runs; only its fake (shape) rule does."""
+    model = mlp()
+
+    def f(x):
+        return _counted(model(x))
+
+    x = torch.randn(4, 16)
+    f(x)
+    assert len(_calls) == 1  # eager runs the kernel
+    report = leancompile.explain(f, x, compiler="aot_eager")
+    assert "leancompile_test.counted" in report.graph("forward").after
+    assert len(_calls) == 1
+    report = leancompile.explain(f, x, compiler="inductor")
+    assert len(_calls) == 1
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_explain_with_meta_and_fake_tensors():
+    with torch.device("meta"):
+        model = mlp()
+    report = leancompile.explain(model, torch.empty(4, 16, device="meta"))
+    assert report.phases == ["forward", "backward"]
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake_x = torch.empty(4, 16)
+    report = leancompile.explain(mlp(), fake_x, compiler="aot_eager")
+    assert report.phases == ["forward", "backward"]
+
+
+def test_explain_tiny_flux_both_graphs():
+    model = tiny_flux()
+    report = leancompile.explain(flux_step(model), *flux_inputs().values(),
+                                 compiler="aot_eager")
+    assert report.phases == ["forward", "backward"]
+    for record in report.graphs:
+        assert record.before != record.after
+        assert record.passes[0].rewritten
+        assert "aten.mm" in record.after or "aten.addmm" in record.after
+
+
+def test_explain_graph_break_gives_one_record_per_graph():
+    model = mlp()
+
+    def f(x):
+        y = model(x)
+        torch._dynamo.graph_break()
+        return y.sin()
+
+    report = leancompile.explain(f, torch.randn(4, 16), compiler="aot_eager")
+    assert [r.name for r in report.graphs] == [
+        "graph0_forward", "graph0_backward", "graph1_forward", "graph1_backward"]
+
+
+def test_report_save_writes_code_json_and_html(tmp_path):
+    report = leancompile.explain(mlp(), torch.randn(4, 16), compiler="aot_eager")
+    page = report.save(tmp_path / "out")
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"graph0_forward_before.py", "graph0_forward_after.py", "graph0_backward_before.py",
+            "graph0_backward_after.py", "report.json", "report.txt", "report.html"} <= names
+    assert (tmp_path / "out" / "graph0_backward_after.py").read_text() == \
+        report.graph("backward").after
+    html = page.read_text()
+    assert html.startswith("<!DOCTYPE html>") and "<script" not in html and "http" not in html
+    assert 'class="diff"' in html and "graph0_backward" in html and "aten.view.default" in html
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [g["name"] for g in data["graphs"]] == ["graph0_forward", "graph0_backward"]
+
+
+def test_explain_bad_input_errors():
+    with pytest.raises(TypeError, match="explain needs a function or torch.nn.Module"):
+        leancompile.explain(torch.randn(3), torch.randn(3))
+    with pytest.raises(TypeError, match=r"unknown leancompile option\(s\) \['compile'\]"):
+        leancompile.explain(mlp(), torch.randn(4, 16), compile="inductor")
+    with pytest.raises(ValueError, match=r"unknown pass\(es\) \['cse'\]"):
+        leancompile.explain(mlp(), torch.randn(4, 16), disable=("cse",))
+
+
+def test_debug_env_dumps_every_pass(tmp_path, monkeypatch):
+    monkeypatch.setenv("LEANCOMPILE_DEBUG", str(tmp_path))
+    leancompile.explain(mlp(), torch.randn(4, 16), compiler="aot_eager")
+    dumps = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.py"))
+    assert len(dumps) == 4
+    assert any(d.endswith("_forward/00_canonicalize_before.py") for d in dumps)
+    assert any(d.endswith("_backward/00_canonicalize_after.py") for d in dumps)
+    after = next(p for p in tmp_path.rglob("*backward/00_canonicalize_after.py")).read_text()
+    assert "aten.reshape.default" in after and "aten.view.default" not in after

@@ -1,0 +1,120 @@
+"""install(): chains a previously installed pass, restores it, and its uuid keys the cache."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import leancompile
+from leancompile.compiler import LeanGraphPass
+from leancompile.options import CompileOptions
+from models import assert_same_training_step, mlp
+
+
+class CountingPass(CustomGraphPass):
+    """A user's own post-grad pass: counts the graphs it sees and the mm-like ops in them."""
+
+    def __init__(self, uuid="user-pass-v1"):
+        self.graphs = []
+        self._uuid = uuid
+
+    def __call__(self, graph):
+        self.graphs.append(sum(n.op == "call_function" for n in graph.nodes))
+
+    def uuid(self):
+        return self._uuid
+
+
+@pytest.fixture
+def clean_inductor_pass():
+    saved = inductor_config.post_grad_custom_pre_pass
+    yield
+    inductor_config.post_grad_custom_pre_pass = saved
+
+
+def test_install_context_chains_and_restores(clean_inductor_pass, no_compile_cache):
+    user_pass = CountingPass()
+    inductor_config.post_grad_custom_pre_pass = user_pass
+    model = mlp()
+    x = torch.randn(4, 16)
+    with leancompile.install() as installed:
+        assert inductor_config.post_grad_custom_pre_pass is installed.graph_pass
+        compiled = torch.compile(model)  # the user's own torch.compile call, Inductor
+        assert_same_training_step(model, model, compiled, (x,))
+        assert len(user_pass.graphs) == 2  # the user's pass still ran, on forward and backward
+        report = leancompile.last_report()
+        assert report.phases == ["forward", "backward"]
+        assert report.options["compiler"] == "inductor"
+    assert inductor_config.post_grad_custom_pre_pass is user_pass
+
+
+def test_install_plain_call_and_uninstall(clean_inductor_pass, no_compile_cache):
+    inductor_config.post_grad_custom_pre_pass = None
+    installed = leancompile.install(disable=("canonicalize",))
+    try:
+        assert isinstance(inductor_config.post_grad_custom_pre_pass, LeanGraphPass)
+        model = mlp()
+        x = torch.randn(4, 16)
+        assert_same_training_step(model, model, torch.compile(model), (x,))
+        assert leancompile.last_report().graphs[0].passes[0].disabled
+    finally:
+        installed.uninstall()
+    assert inductor_config.post_grad_custom_pre_pass is None
+    installed.uninstall()  # a second uninstall is a no-op
+
+
+def test_uninstall_refuses_to_drop_a_pass_installed_on_top(clean_inductor_pass):
+    inductor_config.post_grad_custom_pre_pass = None
+    installed = leancompile.install()
+    later = CountingPass()
+    inductor_config.post_grad_custom_pre_pass = later
+    with pytest.raises(RuntimeError, match="installed after leancompile.install"):
+        installed.uninstall()
+    assert inductor_config.post_grad_custom_pre_pass is later
+
+
+def test_install_bad_options():
+    with pytest.raises(TypeError, match="takes no compiler option"):
+        leancompile.install(compiler="aot_eager")
+    with pytest.raises(TypeError, match="unknown leancompile option"):
+        leancompile.install(dissable=("canonicalize",))
+
+
+def test_uuid_covers_options_and_previous_pass():
+    base = LeanGraphPass(CompileOptions()).uuid()
+    assert isinstance(base, str) and base == LeanGraphPass(CompileOptions()).uuid()
+    assert LeanGraphPass(CompileOptions(disable=("canonicalize",))).uuid() != base
+    assert LeanGraphPass(CompileOptions(compiler="aot_eager")).uuid() != base
+    chained = LeanGraphPass(CompileOptions(), previous=CountingPass("a")).uuid()
+    assert chained not in (None, base)
+    assert LeanGraphPass(CompileOptions(), previous=CountingPass("b")).uuid() != chained
+    # A previous pass without a uuid makes the chain uncacheable, as Inductor would treat it.
+    assert LeanGraphPass(CompileOptions(), previous=CountingPass(None)).uuid() is None
+    assert LeanGraphPass(CompileOptions(), previous=lambda graph: None).uuid() is None
+
+
+def _uuid_worker(rank, world_size, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    try:
+        uuid = LeanGraphPass(CompileOptions()).uuid()
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, uuid)
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write("\n".join(gathered))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_uuid_differs_across_ranks(tmp_path):
+    world_size = 2
+    mp.spawn(_uuid_worker, args=(world_size, str(tmp_path / "init"), str(tmp_path)),
+             nprocs=world_size, join=True)
+    seen = [(tmp_path / f"rank{r}.txt").read_text().split("\n") for r in range(world_size)]
+    assert seen[0] == seen[1]  # every rank saw the same list
+    assert len(set(seen[0])) == world_size  # and the two uuids differ
