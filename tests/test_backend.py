@@ -88,7 +88,7 @@ def test_dynamic_shapes_match_eager():
 def test_tiny_flux_aot_eager_matches_eager():
     model = tiny_flux()
     step = flux_step(model)
-    compiled = torch.compile(step, backend=leancompile.backend(compiler="aot_eager"))
+    compiled = torch.compile(step, backend="leancompile", options={"compiler": "aot_eager"})
     assert_same_training_step(model, step, compiled, tuple(flux_inputs().values()),
                               atol=2e-5, rtol=2e-5)
     report = leancompile.last_report()
