@@ -70,3 +70,65 @@ def assert_same_training_step(model, eager_fn, compiled_fn, args, *, atol=1e-5, 
     for name in grads_ref:
         torch.testing.assert_close(grads[name], grads_ref[name], atol=atol, rtol=rtol,
                                    msg=lambda m, name=name: f"gradient of {name}: {m}")
+
+
+def tiny_flux_policy(steps: int = 4, seed: int = 0):
+    """A random-init FLUX (1+1 layers) behind ``FluxPolicy``: 8x8 latents, 16 packed tokens."""
+    from diffusers import FluxTransformer2DModel
+
+    from leancompile.integrations.diffusers import FluxPolicy
+
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8], guidance_embeds=True).eval()
+    return FluxPolicy(transformer, num_inference_steps=steps, height=8, width=8,
+                      vae_scale_factor=1, guidance_scale=3.5)
+
+
+def tiny_wan_policy(steps: int = 3, seed: int = 0):
+    """A random-init Wan (1 layer) behind ``WanPolicy`` with classifier-free guidance."""
+    from diffusers import WanTransformer3DModel
+
+    from leancompile.integrations.diffusers import WanPolicy
+
+    torch.manual_seed(seed)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
+        out_channels=16, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=1,
+        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32).eval()
+    return WanPolicy(transformer, num_inference_steps=steps, height=32, width=32, num_frames=5,
+                     guidance_scale=5.0, flow_shift=5.0)
+
+
+class ToyFlowPolicy(torch.nn.Module):
+    """A small flow-matching policy (an MLP velocity) with the policy contract of
+    ``leancompile.integrations.diffusers``: for trainer tests where the model is not the point
+    and capture must be quick."""
+
+    condition_keys = ("prompt_embeds",)
+
+    def __init__(self, *, steps: int = 4, dim: int = 8, dropout: float = 0.0, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        layers = [torch.nn.Linear(dim + 4, 32), torch.nn.GELU()]
+        if dropout:
+            layers.append(torch.nn.Dropout(dropout))
+        layers.append(torch.nn.Linear(32, dim))
+        self.net = torch.nn.Sequential(*layers)
+        self.dim = dim
+        self.register_buffer("sigmas", torch.linspace(1, 0, steps + 1), persistent=False)
+
+    def velocity(self, latents, step_index, conditions):
+        if isinstance(step_index, int):
+            step_index = torch.full((latents.shape[0],), step_index, dtype=torch.long)
+        t = self.sigmas[step_index].reshape(-1, 1)
+        h = torch.cat([latents, conditions["prompt_embeds"], t], dim=1)
+        return self.net(h)
+
+    def initial_latents(self, batch, generator=None):
+        return torch.randn(batch, self.dim, generator=generator)
+
+    def example_conditions(self, batch, generator=None):
+        return {"prompt_embeds": torch.randn(batch, 3, generator=generator)}

@@ -1,0 +1,210 @@
+"""LeanGRPO: turn the captured graphs of a policy step into Recompute / Retain / Reweight
+schedules, and choose one from the memory the graphs really save.
+
+Input: a ``CapturedStep`` (forward graph ``(params, x_t, step, noise, cond) -> (x_{t+1},
+log_prob[, mean], *saved)``, backward graph ``(*saved, cotangents) -> grads``, inference graph),
+the timestep selection drawn before the rollout, and the byte size of one trainable-parameter
+gradient. Output: a ``SchedulePlan`` per schedule. A plan is data: which graph runs at each
+rollout step for selected and unselected samples, what runs once the rewards are known, and
+the cotangent of each backward. The runtime (``leancompile.runtime.schedule``) executes it.
+
+Rollout and update per schedule (``S_i`` = selected steps of sample ``i``, ``B`` samples)::
+
+    recompute  rollout: inference graph at every step
+               update:  for t in S_i: forward(save) on (x_t, x_{t+1}); backward with the PPO
+                        cotangent d loss / d log_prob (ratio 1 on-policy)
+    retain     rollout: t in S_i: forward(save), keep saved tensors; else inference graph
+               update:  backward(kept, cotangent -A_i/(B*|S|))
+    reweight   rollout: t in S_i: forward(save), backward(cotangent -1/(B*|S|)) into G_i, free
+               update:  grad += A_i * G_i
+
+Why Retain is legal: on-policy the update forward recomputes the rollout forward on the same
+inputs with the same parameters, so the saved tensors are the same values; the PPO ratio is
+exactly 1, clipping is inactive, and d loss / d log_prob = -A_i/(B*|S|). Reweight additionally
+uses the linearity of the backward in its cotangent: backward(c*A) = A*backward(c), which holds
+in real arithmetic (not bit for bit: the scaling moves from before to after the backward).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ..graphs.capture import CapturedStep
+
+__all__ = ["PlanOp", "SchedulePlan", "StepCosts", "build_schedule_plans", "choose_schedule",
+           "SCHEDULES", "VERSION"]
+
+log = logging.getLogger("leancompile")
+
+VERSION = 1
+SCHEDULES = ("recompute", "retain", "reweight")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOp:
+    """One operation of a schedule.
+
+    ``op`` is one of ``forward_infer`` (inference graph), ``forward_save`` (forward graph, its
+    saved tensors kept for a backward), ``backward_now`` (backward graph right away),
+    ``backward_later`` (backward graph on kept tensors once advantages are known),
+    ``scale_buffer`` (``grad += A_i * G_i``) and ``sync`` (gradient all-reduce point; a no-op
+    in a single process). ``cotangent`` is the cotangent of the log-prob, as a formula.
+    """
+
+    phase: str
+    """``rollout`` (per step), or ``update`` (after rewards and advantages)."""
+    op: str
+    applies_to: str
+    """``selected`` / ``unselected`` steps, ``selected after rewards``, or ``all``."""
+    cotangent: str = ""
+    target: str = ""
+    """Where the gradient goes: ``grad`` (the parameters' .grad) or ``G_i`` (a per-sample
+    buffer)."""
+
+    def __str__(self) -> str:
+        text = f"{self.phase:7s} {self.op:15s} on {self.applies_to}"
+        if self.cotangent:
+            text += f", d/dlogp = {self.cotangent}"
+        if self.target:
+            text += f" -> {self.target}"
+        return text
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCosts:
+    """Per-call costs of the captured graphs, from their metadata."""
+
+    saved_bytes: int
+    """Activation bytes one forward(save) call keeps (storages that are not inputs)."""
+    forward_flops: int
+    backward_flops: int
+    inference_flops: int
+
+
+@dataclass(kw_only=True)
+class SchedulePlan:
+    """A schedule as data: its ops and what it costs for one rollout."""
+
+    name: str
+    ops: list[PlanOp]
+    selected_calls: int
+    """Selected (step, micro-batch) forward calls in one rollout."""
+    total_calls: int
+    peak_bytes: int
+    """Extra memory at the peak: kept activations (retain), per-sample gradient buffers plus
+    one step's activations (reweight), one step's activations (recompute)."""
+    flops: int
+    """Estimated floating point operations of rollout plus update."""
+    memory_budget: float | None = None
+    """The partitioner's activation budget the graphs were captured with (retain)."""
+    fits: bool = True
+    note: str = ""
+
+    def describe(self) -> str:
+        lines = [f"schedule {self.name}: peak extra memory {_fmt_bytes(self.peak_bytes)}, "
+                 f"~{self.flops / 1e9:.3f} GFLOP"
+                 + (f", partitioner budget {self.memory_budget}" if self.memory_budget is not
+                    None else "")
+                 + ("" if self.fits else " (does not fit)")]
+        lines += [f"  {op}" for op in self.ops]
+        if self.note:
+            lines.append(f"  note: {self.note}")
+        return "\n".join(lines)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def graph_flops(captured: CapturedStep) -> StepCosts:
+    """FLOPs of each graph, counted on fake tensors (nothing runs)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def count(gm):
+        values = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+        fake_mode = next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
+        if fake_mode is None:
+            return 0
+        with fake_mode, FlopCounterMode(display=False) as counter:
+            gm(*values)
+        return counter.get_total_flops()
+
+    return StepCosts(saved_bytes=captured.saved_bytes, forward_flops=count(captured.forward),
+                     backward_flops=count(captured.backward),
+                     inference_flops=count(captured.inference))
+
+
+def build_schedule_plans(*, costs: StepCosts, selected_calls: int, total_calls: int,
+                         retain_bytes: int, reweight_call_bytes: int, samples_in_flight: int,
+                         grad_bytes: int, with_kl: bool, memory_budget_bytes: int,
+                         partitioner_budget: float | None = None) -> dict[str, SchedulePlan]:
+    """The three schedules for one rollout.
+
+    ``costs``: per-call costs of the graphs for the full batch. ``selected_calls`` /
+    ``total_calls``: forward calls at selected steps / in the whole rollout.
+    ``retain_bytes``: activation bytes Retain keeps until the rewards, summed exactly over the
+    selected calls from the graphs' metadata. ``reweight_call_bytes``: activations of one
+    per-sample call (freed after its backward). ``samples_in_flight``: samples whose gradient
+    buffers Reweight holds at once. ``grad_bytes``: one trainable-parameter gradient.
+    """
+    unselected_calls = total_calls - selected_calls
+    f_i, f, b = costs.inference_flops, costs.forward_flops, costs.backward_flops
+    kl_note = "; KL gradient in its own buffer, not scaled by A_i" if with_kl else ""
+    plans = {
+        "recompute": SchedulePlan(
+            name="recompute", selected_calls=selected_calls, total_calls=total_calls,
+            ops=[PlanOp(phase="rollout", op="forward_infer", applies_to="all"),
+                 PlanOp(phase="update", op="forward_save", applies_to="selected after rewards"),
+                 PlanOp(phase="update", op="backward_now", applies_to="selected after rewards",
+                        cotangent="PPO: -A_i*ratio/(B*|S|) unclipped (ratio 1 on-policy)",
+                        target="grad"),
+                 PlanOp(phase="update", op="sync", applies_to="all")],
+            peak_bytes=costs.saved_bytes, flops=total_calls * f_i + selected_calls * (f + b)),
+        "retain": SchedulePlan(
+            name="retain", selected_calls=selected_calls, total_calls=total_calls,
+            ops=[PlanOp(phase="rollout", op="forward_save", applies_to="selected"),
+                 PlanOp(phase="rollout", op="forward_infer", applies_to="unselected"),
+                 PlanOp(phase="update", op="backward_later", applies_to="selected after rewards",
+                        cotangent="-A_i/(B*|S|)" + (" (+ beta*KL)" if with_kl else ""),
+                        target="grad"),
+                 PlanOp(phase="update", op="sync", applies_to="all")],
+            peak_bytes=retain_bytes,
+            flops=unselected_calls * f_i + selected_calls * (f + b),
+            memory_budget=partitioner_budget),
+        "reweight": SchedulePlan(
+            name="reweight", selected_calls=selected_calls, total_calls=total_calls,
+            ops=[PlanOp(phase="rollout", op="forward_save", applies_to="selected"),
+                 PlanOp(phase="rollout", op="backward_now", applies_to="selected",
+                        cotangent="-1/(B*|S|)", target="G_i"),
+                 PlanOp(phase="rollout", op="forward_infer", applies_to="unselected"),
+                 PlanOp(phase="update", op="scale_buffer", applies_to="all",
+                        cotangent="grad += A_i * G_i", target="grad"),
+                 PlanOp(phase="update", op="sync", applies_to="all")],
+            peak_bytes=(samples_in_flight + (1 if with_kl else 0)) * grad_bytes
+            + reweight_call_bytes,
+            flops=unselected_calls * f_i + selected_calls * (f + b * (2 if with_kl else 1)),
+            note=f"one gradient buffer per sample in flight ({samples_in_flight})" + kl_note),
+    }
+    for plan in plans.values():
+        plan.fits = plan.peak_bytes <= memory_budget_bytes
+    return plans
+
+
+def choose_schedule(plans: dict[str, SchedulePlan]) -> tuple[str, str]:
+    """``auto``: Retain if its kept activations fit, else Reweight if its buffers fit, else
+    Recompute. Returns (name, reason). (Keeping less under Retain, by recapturing with a
+    smaller partitioner budget, is done by the caller before giving up on Retain.)"""
+    retain, reweight = plans["retain"], plans["reweight"]
+    if retain.fits:
+        return "retain", (f"retain keeps {_fmt_bytes(retain.peak_bytes)} of activations, within"
+                          " the memory budget; it is exact and skips the update forward")
+    if reweight.fits:
+        return "reweight", (f"retain needs {_fmt_bytes(retain.peak_bytes)}, over the budget; "
+                            f"reweight's gradient buffers need {_fmt_bytes(reweight.peak_bytes)}")
+    return "recompute", (f"neither retain ({_fmt_bytes(retain.peak_bytes)}) nor reweight "
+                         f"({_fmt_bytes(reweight.peak_bytes)}) fits the memory budget")
