@@ -1,4 +1,5 @@
-"""Command line: ``leancompile explain FILE.py:NAME`` and ``leancompile demo``."""
+"""Command line: ``leancompile explain FILE.py:NAME``, ``leancompile demo [explain|grpo]`` and
+``leancompile bench grpo``."""
 
 from __future__ import annotations
 
@@ -74,6 +75,14 @@ def _cmd_demo(ns) -> int:
     return run_demo(ns.name, out=ns.out)
 
 
+def _cmd_bench(ns) -> int:
+    if ns.name == "grpo":
+        from .benchmarks.grpo import main as bench_main
+
+        return bench_main(ns.rest)
+    raise SystemExit(f"leancompile: unknown benchmark {ns.name!r}; the benchmarks are ['grpo']")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="leancompile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,9 +99,15 @@ def main(argv=None) -> int:
     p.set_defaults(func=_cmd_explain)
 
     d = sub.add_parser("demo", help="run a demo")
-    d.add_argument("name", nargs="?", default="explain", choices=("explain",))
+    d.add_argument("name", nargs="?", default="grpo", choices=("grpo", "explain"))
     d.add_argument("--out", default="leancompile-out", help="output folder")
     d.set_defaults(func=_cmd_demo)
+
+    b = sub.add_parser("bench", help="run a benchmark (leancompile bench grpo --help)",
+                       add_help=False)
+    b.add_argument("name", choices=("grpo",))
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=_cmd_bench)
 
     ns = parser.parse_args(argv)
     return ns.func(ns)

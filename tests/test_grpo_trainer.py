@@ -226,3 +226,38 @@ def test_config_errors():
         GRPOConfig(group_size=1)
     with pytest.raises(TypeError):
         GRPOConfig("retain")
+
+
+class AdaptersOff:
+    """The LoRA policy with its adapters disabled (peft's own switch): the KL reference."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def velocity(self, *args):
+        self.policy.transformer.disable_adapters()
+        try:
+            return self.policy.velocity(*args)
+        finally:
+            self.policy.transformer.enable_adapters()
+
+
+def test_lora_with_adapter_reference_kl():
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    policy = tiny_flux_policy(steps=3)
+    policy.transformer.requires_grad_(False)
+    policy.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4,
+                                              target_modules=["to_q", "to_k", "to_v"]))
+    with torch.no_grad():  # lora_B starts at zero; move it so the KL and lora_A grads are live
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+    config = GRPOConfig(sde="flow_grpo", eta=0.9, group_size=2, beta=0.1)  # reference="auto"
+    trainer = GRPOTrainer(policy, mean_latent_reward, None, config)
+    assert trainer.trainable and all("lora_" in n for n in trainer.trainable)
+    results = run_all(trainer, flux_conditions(policy))
+    assert set(results["retain"].grads) == set(trainer.trainable)
+    assert all(r.kl > 0 for r in results.values())
+    check_agreement(results, policy, config, reference=AdaptersOff(policy))

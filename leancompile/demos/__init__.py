@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["run_demo"]
+__all__ = ["run_demo", "DEMOS"]
+
+DEMOS = ("grpo", "explain")
 
 
 def run_demo(name: str, *, out: str) -> int:
@@ -10,4 +12,8 @@ def run_demo(name: str, *, out: str) -> int:
         from .explain_demo import main
 
         return main(out=out)
-    raise ValueError(f"unknown demo {name!r}; the demos are ['explain']")
+    if name == "grpo":
+        from .grpo_demo import main
+
+        return main(out=out)
+    raise ValueError(f"unknown demo {name!r}; the demos are {DEMOS}")

@@ -23,8 +23,8 @@ import torch
 import torch.nn as nn
 
 from ..graphs.capture import RandomOpInGraphError, module_input_names, module_inputs
-from ..passes.lean_grpo import (SCHEDULES, SchedulePlan, build_schedule_plans, choose_schedule,
-                                graph_flops)
+from ..passes.lean_grpo import (SCHEDULES, SchedulePlan, ScheduleReport, build_schedule_plans,
+                                choose_schedule, graph_flops)
 from ..runtime.graphs import StepGraphCache
 from ..runtime.schedule import ScheduleRunner
 from .advantages import AdvantageConfig, group_advantages, group_ids_for
@@ -179,6 +179,7 @@ class GRPOTrainer:
         if not self.trainable:
             raise ValueError("the policy has no parameter with requires_grad=True")
         self._reference = self._make_reference() if config.beta > 0 else None
+        self.last_rollout: Rollout | None = None
 
     # -- set-up -------------------------------------------------------------------------------
     def _make_reference(self) -> dict[str, torch.Tensor]:
@@ -218,8 +219,7 @@ class GRPOTrainer:
         partitioner budgets for retain when it does not fit)."""
         cfg = self.config
         device = example[0].device
-        budget_bytes = cfg.memory_budget_bytes if cfg.memory_budget_bytes is not None else int(
-            _free_memory_bytes(device) * cfg.memory_fraction)
+        budget_bytes = self._budget_bytes(device)
         rows_per_step = mask.sum(0).tolist()
         num_rows, num_steps = mask.shape
         samples_in_flight = num_rows if cfg.global_std else cfg.group_size
@@ -242,8 +242,10 @@ class GRPOTrainer:
                                       allow_random=allow_random).captured.saved_bytes
             else:  # not run: an estimate is enough for the report
                 one = full.captured.saved_bytes // num_rows
+            if full.costs is None:
+                full.costs = graph_flops(full.captured)
             return build_schedule_plans(
-                costs=graph_flops(full.captured), selected_calls=sum(1 for n in rows_per_step if n),
+                costs=full.costs, selected_calls=sum(1 for n in rows_per_step if n),
                 total_calls=num_steps, retain_bytes=retain_bytes,
                 reweight_call_bytes=one,
                 samples_in_flight=samples_in_flight, grad_bytes=self._grad_bytes(),
@@ -267,21 +269,8 @@ class GRPOTrainer:
         return name, reason + f" (also at partitioner budgets {cfg.partitioner_budgets})", \
             plans, None
 
-    # -- the main entry ----------------------------------------------------------------------
-    def compute_gradients(self, conditions: Mapping[str, torch.Tensor], generator=None, *,
-                          schedule: str | None = None) -> GradResult:
-        """Rollout + gradients (no optimizer step). ``conditions``: one row per prompt; each
-        row is repeated ``group_size`` times (rows are prompt-major). ``schedule`` overrides
-        ``config.schedule`` for this call (the captured graphs are shared)."""
-        return self.rollout(conditions, generator, schedule=schedule).update()
-
-    def rollout(self, conditions: Mapping[str, torch.Tensor], generator=None, *,
-                chunks: int = 1, schedule: str | None = None) -> "PendingUpdate":
-        """Run the rollout (with the schedule's forward/backward work) and score it; the
-        returned ``PendingUpdate.update()`` computes the gradients. Changing the parameters in
-        between (an optimizer step) is detected and that update is recomputed.
-        ``chunks > 1`` splits each sample's selected steps into that many chunks; only the first
-        goes through the schedule (``pending.update(chunk=c)`` recomputes chunk ``c``)."""
+    def _setup(self, conditions, generator, *, schedule, chunks):
+        """Everything drawn and captured before the rollout, and the chosen plan."""
         cfg = self.config
         keys = list(conditions)
         num_prompts = next(iter(conditions.values())).shape[0]
@@ -323,6 +312,63 @@ class GRPOTrainer:
         except RandomOpInGraphError as err:
             raise RandomOpInGraphError(f"schedule={schedule!r}: {err}") from None
 
+        return dict(keys=keys, num_prompts=num_prompts, batch=batch, cond=cond,
+                    cond_list=cond_list, selected=selected, latents0=latents0, noise=noise,
+                    chunk_steps=chunk_steps, mask=mask, sample_module=sample_module,
+                    score_module=score_module, schedule=schedule, allow_random=allow_random,
+                    reason=reason, plans=plans, partitioner_budget=partitioner_budget,
+                    budget_bytes=self._budget_bytes(latents0.device))
+
+    def explain(self, conditions: Mapping[str, torch.Tensor], generator=None, *,
+                schedule: str | None = None) -> ScheduleReport:
+        """Capture the step graphs and build the plans for this batch without running the
+        rollout: the three schedules with memory and time estimates, and the choice."""
+        setup = self._setup(conditions, generator, schedule=schedule, chunks=1)
+        plans = setup["plans"]
+        graph = self.graphs.get(setup["sample_module"], [
+            setup["latents0"], torch.zeros(setup["batch"], dtype=torch.long),
+            setup["noise"][0]] + setup["cond_list"], key="sample",
+            memory_budget=setup["partitioner_budget"], allow_random=setup["allow_random"])
+        nodes = {name: len(gm.graph.nodes) for name, gm in (
+            ("forward", graph.captured.forward), ("backward", graph.captured.backward),
+            ("inference", graph.captured.inference))}
+        return ScheduleReport(
+            plans=plans, chosen=setup["schedule"], reason=setup["reason"],
+            batch=setup["batch"], num_steps=setup["noise"].shape[0],
+            selected_per_sample=setup["chunk_steps"][0].shape[1],
+            saved_bytes_per_call=graph.captured.saved_bytes,
+            memory_budget_bytes=setup["budget_bytes"], graph_nodes=nodes)
+
+    def _budget_bytes(self, device) -> int:
+        cfg = self.config
+        if cfg.memory_budget_bytes is not None:
+            return cfg.memory_budget_bytes
+        return int(_free_memory_bytes(device) * cfg.memory_fraction)
+
+    # -- the main entry ----------------------------------------------------------------------
+    def compute_gradients(self, conditions: Mapping[str, torch.Tensor], generator=None, *,
+                          schedule: str | None = None) -> GradResult:
+        """Rollout + gradients (no optimizer step). ``conditions``: one row per prompt; each
+        row is repeated ``group_size`` times (rows are prompt-major). ``schedule`` overrides
+        ``config.schedule`` for this call (the captured graphs are shared)."""
+        return self.rollout(conditions, generator, schedule=schedule).update()
+
+    def rollout(self, conditions: Mapping[str, torch.Tensor], generator=None, *,
+                chunks: int = 1, schedule: str | None = None) -> "PendingUpdate":
+        """Run the rollout (with the schedule's forward/backward work) and score it; the
+        returned ``PendingUpdate.update()`` computes the gradients. Changing the parameters in
+        between (an optimizer step) is detected and that update is recomputed.
+        ``chunks > 1`` splits each sample's selected steps into that many chunks; only the first
+        goes through the schedule (``pending.update(chunk=c)`` recomputes chunk ``c``)."""
+        cfg = self.config
+        setup = self._setup(conditions, generator, schedule=schedule, chunks=chunks)
+        (keys, num_prompts, batch, cond, cond_list, selected, latents0, noise, chunk_steps,
+         mask, sample_module, score_module, schedule, allow_random, reason, plans,
+         partitioner_budget) = (
+            setup[k] for k in ("keys", "num_prompts", "batch", "cond", "cond_list", "selected",
+                               "latents0", "noise", "chunk_steps", "mask", "sample_module",
+                               "score_module", "schedule", "allow_random", "reason", "plans",
+                               "partitioner_budget"))
         inputs = module_inputs(sample_module)
         ref_inputs = module_inputs(sample_module, self._reference) if self._reference else None
         names = module_input_names(sample_module)
@@ -354,6 +400,7 @@ class GRPOTrainer:
         rollout_seconds = time.perf_counter() - start
         record = Rollout(latents=trajectory, selected=selected, log_probs=log_probs,
                          rewards=rewards, advantages=advantages, conditions=cond, noise=noise)
+        self.last_rollout = record
         return PendingUpdate(trainer=self, runner=runner, runner_for=runner_for,
                              schedule=schedule, reason=reason, plans=plans, rollout=record,
                              chunk_steps=chunk_steps, versions=versions,

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 from ..graphs.capture import CapturedStep
 
-__all__ = ["PlanOp", "SchedulePlan", "StepCosts", "build_schedule_plans", "choose_schedule",
-           "SCHEDULES", "VERSION"]
+__all__ = ["PlanOp", "SchedulePlan", "StepCosts", "ScheduleReport", "build_schedule_plans",
+           "choose_schedule", "graph_flops", "SCHEDULES", "VERSION"]
 
 log = logging.getLogger("leancompile")
 
@@ -101,9 +101,11 @@ class SchedulePlan:
     fits: bool = True
     note: str = ""
 
-    def describe(self) -> str:
+    def describe(self, baseline_flops: int | None = None) -> str:
+        relative = (f" ({self.flops / baseline_flops:.2f}x recompute's)"
+                    if baseline_flops else "")
         lines = [f"schedule {self.name}: peak extra memory {_fmt_bytes(self.peak_bytes)}, "
-                 f"~{self.flops / 1e9:.3f} GFLOP"
+                 f"~{self.flops / 1e9:.3f} GFLOP{relative}"
                  + (f", partitioner budget {self.memory_budget}" if self.memory_budget is not
                     None else "")
                  + ("" if self.fits else " (does not fit)")]
@@ -208,3 +210,34 @@ def choose_schedule(plans: dict[str, SchedulePlan]) -> tuple[str, str]:
                             f"reweight's gradient buffers need {_fmt_bytes(reweight.peak_bytes)}")
     return "recompute", (f"neither retain ({_fmt_bytes(retain.peak_bytes)}) nor reweight "
                          f"({_fmt_bytes(reweight.peak_bytes)}) fits the memory budget")
+
+
+@dataclass(kw_only=True)
+class ScheduleReport:
+    """What ``GRPOTrainer.explain`` shows: the three plans with their memory and time
+    estimates, and the schedule that would run with the reason."""
+
+    plans: dict[str, SchedulePlan]
+    chosen: str
+    reason: str
+    batch: int
+    num_steps: int
+    selected_per_sample: int
+    saved_bytes_per_call: int
+    memory_budget_bytes: int
+    graph_nodes: dict[str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [
+            f"LeanGRPO schedules: batch {self.batch}, {self.num_steps} steps, "
+            f"{self.selected_per_sample} trained per sample; one forward(save) keeps "
+            f"{_fmt_bytes(self.saved_bytes_per_call)}; memory budget "
+            f"{_fmt_bytes(self.memory_budget_bytes)}",
+            "captured graphs: " + ", ".join(f"{k} {v} nodes" for k, v in
+                                            self.graph_nodes.items()),
+        ]
+        base = self.plans["recompute"].flops or 1
+        for plan in self.plans.values():
+            lines.append(plan.describe(base))
+        lines.append(f"-> {self.chosen}: {self.reason}")
+        return "\n".join(lines)

@@ -1,6 +1,5 @@
-"""What executes at run time: P2P ops, schedule executors, memory accounting.
-
-Empty in this version: the FlashOverlap P2P ops and the LeanGRPO schedule executors land here.
-"""
+"""What executes at run time: the captured step graphs (``graphs``) and the LeanGRPO schedule
+runner with its activation store and gradient buffers (``schedule``). The FlashOverlap P2P ops
+land here too."""
 
 __all__: list[str] = []

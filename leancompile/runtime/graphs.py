@@ -31,6 +31,8 @@ class CompiledStep:
     backward: Callable
     inference: Callable
     capture_seconds: float = 0.0
+    costs: object = None
+    """``StepCosts`` (bytes and FLOPs), filled in once by whoever needs them."""
 
     def run_forward(self, module_inputs, args):
         outs = self.forward(*module_inputs, *args)
