@@ -261,3 +261,18 @@ def test_lora_with_adapter_reference_kl():
     assert set(results["retain"].grads) == set(trainer.trainable)
     assert all(r.kl > 0 for r in results.values())
     check_agreement(results, policy, config, reference=AdaptersOff(policy))
+
+
+def test_inductor_compiled_graphs_match_aot_eager():
+    policy = ToyFlowPolicy(steps=3)
+    conditions = policy.example_conditions(2, torch.Generator().manual_seed(1))
+    reference = GRPOTrainer(policy, mean_latent_reward, None, GRPOConfig(group_size=2))
+    base = reference.compute_gradients(conditions, torch.Generator().manual_seed(0),
+                                       schedule="recompute")
+    trainer = GRPOTrainer(policy, mean_latent_reward, None,
+                          GRPOConfig(group_size=2, compiler="inductor"))
+    for schedule in ("recompute", "retain"):
+        result = trainer.compute_gradients(conditions, torch.Generator().manual_seed(0),
+                                           schedule=schedule)
+        cos, rel = agreement(result.grads, base.grads)
+        assert rel <= 1e-5, (schedule, rel)

@@ -34,14 +34,19 @@ class CompiledStep:
     costs: object = None
     """``StepCosts`` (bytes and FLOPs), filled in once by whoever needs them."""
 
+    # The graphs compute gradients explicitly (the backward graph), so eager autograd must not
+    # record them: AOTAutograd calls its compiled graphs under no_grad too.
+    @torch.no_grad()
     def run_forward(self, module_inputs, args):
         outs = self.forward(*module_inputs, *args)
         n = self.captured.num_outputs
         return tuple(outs[:n]), tuple(outs[n:])
 
+    @torch.no_grad()
     def run_inference(self, module_inputs, args):
         return tuple(self.inference(*module_inputs, *args))
 
+    @torch.no_grad()
     def run_backward(self, saved, cotangents):
         return self.backward(*saved, *cotangents)
 
