@@ -32,7 +32,8 @@ class CompileOptions:
     """Communication/compute overlap rewrite (FlashOverlap). Not available in this version."""
 
     schedule: str | None = None
-    """LeanGRPO schedule for policy steps. Not available in this version."""
+    """LeanGRPO schedule for policy steps. Not a compile option in this version: use
+    ``leancompile.grpo.GRPOTrainer``."""
 
     def __post_init__(self):
         from .passes import pass_names
@@ -55,8 +56,9 @@ class CompileOptions:
                 "(the FlashOverlap pass has not landed yet); leave overlap=None")
         if self.schedule not in _SCHEDULE_VALUES:
             raise ValueError(
-                f"schedule={self.schedule!r} is not available in this version of leancompile "
-                "(the LeanGRPO schedules have not landed yet); leave schedule=None")
+                f"schedule={self.schedule!r} is not a compile option in this version: LeanGRPO "
+                "schedules run through leancompile.grpo.GRPOTrainer(config=GRPOConfig("
+                "schedule=...)); leave schedule=None here")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "CompileOptions":
