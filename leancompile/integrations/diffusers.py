@@ -225,6 +225,17 @@ class FlowMatchPolicy(nn.Module):
             self.timesteps = timesteps.to(self.timesteps.device)
         return self
 
+    def _set_image_size(self, height, width, vae_scale_factor, vae_config, vae_defaults):
+        """``height``/``width`` in pixels and the VAE's spatial scale (from ``vae_config``'s
+        ``block_out_channels`` when not given, as the pipelines compute it)."""
+        if vae_scale_factor is None:
+            blocks = _vae_value(vae_config, vae_defaults, "block_out_channels",
+                                type(self).__name__)
+            vae_scale_factor = 2 ** (len(blocks) - 1)
+        self.vae_scale_factor = _int_arg("vae_scale_factor", vae_scale_factor, minimum=1)
+        self.height = _int_arg("height", height, minimum=1)
+        self.width = _int_arg("width", width, minimum=1)
+
     def _step_values(self, table: torch.Tensor, step_index, batch: int) -> torch.Tensor:
         """``table[step_index]`` as a ``[batch]`` tensor, with no host sync and no branch on
         tensor values (one traced graph serves every step)."""
@@ -391,12 +402,7 @@ class FluxPolicy(FlowMatchPolicy):
         super().__init__(transformer, num_inference_steps=num_inference_steps,
                          guidance_scale=guidance_scale)
         config = transformer.config
-        if vae_scale_factor is None:
-            blocks = _vae_value(vae_config, _FLUX_VAE, "block_out_channels", "FluxPolicy")
-            vae_scale_factor = 2 ** (len(blocks) - 1)
-        self.vae_scale_factor = _int_arg("vae_scale_factor", vae_scale_factor, minimum=1)
-        self.height = _int_arg("height", height, minimum=1)
-        self.width = _int_arg("width", width, minimum=1)
+        self._set_image_size(height, width, vae_scale_factor, vae_config, _FLUX_VAE)
         multiple = 2 * self.vae_scale_factor
         _check_multiples(self.height, self.width, multiple, multiple,
                          f"VAE scale {self.vae_scale_factor} x 2x2 packing")
@@ -516,12 +522,7 @@ class SD3Policy(FlowMatchPolicy):
         super().__init__(transformer, num_inference_steps=num_inference_steps,
                          guidance_scale=guidance_scale)
         config = transformer.config
-        if vae_scale_factor is None:
-            blocks = _vae_value(vae_config, _SD3_VAE, "block_out_channels", "SD3Policy")
-            vae_scale_factor = 2 ** (len(blocks) - 1)
-        self.vae_scale_factor = _int_arg("vae_scale_factor", vae_scale_factor, minimum=1)
-        self.height = _int_arg("height", height, minimum=1)
-        self.width = _int_arg("width", width, minimum=1)
+        self._set_image_size(height, width, vae_scale_factor, vae_config, _SD3_VAE)
         patch = config.patch_size
         multiple = self.vae_scale_factor * patch
         _check_multiples(self.height, self.width, multiple, multiple,
