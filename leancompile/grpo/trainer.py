@@ -269,7 +269,7 @@ class GRPOTrainer:
         return name, reason + f" (also at partitioner budgets {cfg.partitioner_budgets})", \
             plans, None
 
-    def _setup(self, conditions, generator, *, schedule, chunks):
+    def _setup(self, conditions, generator, *, schedule, chunks) -> "_Setup":
         """Everything drawn and captured before the rollout, and the chosen plan."""
         cfg = self.config
         keys = list(conditions)
@@ -312,32 +312,29 @@ class GRPOTrainer:
         except RandomOpInGraphError as err:
             raise RandomOpInGraphError(f"schedule={schedule!r}: {err}") from None
 
-        return dict(keys=keys, num_prompts=num_prompts, batch=batch, cond=cond,
-                    cond_list=cond_list, selected=selected, latents0=latents0, noise=noise,
-                    chunk_steps=chunk_steps, mask=mask, sample_module=sample_module,
-                    score_module=score_module, schedule=schedule, allow_random=allow_random,
-                    reason=reason, plans=plans, partitioner_budget=partitioner_budget,
-                    budget_bytes=self._budget_bytes(latents0.device))
+        return _Setup(keys=keys, num_prompts=num_prompts, batch=batch, cond=cond,
+                      cond_list=cond_list, selected=selected, latents0=latents0, noise=noise,
+                      chunk_steps=chunk_steps, mask=mask, sample_module=sample_module,
+                      score_module=score_module, schedule=schedule, allow_random=allow_random,
+                      reason=reason, plans=plans, partitioner_budget=partitioner_budget,
+                      budget_bytes=self._budget_bytes(latents0.device))
 
     def explain(self, conditions: Mapping[str, torch.Tensor], generator=None, *,
                 schedule: str | None = None) -> ScheduleReport:
         """Capture the step graphs and build the plans for this batch without running the
         rollout: the three schedules with memory and time estimates, and the choice."""
-        setup = self._setup(conditions, generator, schedule=schedule, chunks=1)
-        plans = setup["plans"]
-        graph = self.graphs.get(setup["sample_module"], [
-            setup["latents0"], torch.zeros(setup["batch"], dtype=torch.long),
-            setup["noise"][0]] + setup["cond_list"], key="sample",
-            memory_budget=setup["partitioner_budget"], allow_random=setup["allow_random"])
+        st = self._setup(conditions, generator, schedule=schedule, chunks=1)
+        graph = self.graphs.get(st.sample_module, [
+            st.latents0, torch.zeros(st.batch, dtype=torch.long), st.noise[0]] + st.cond_list,
+            key="sample", memory_budget=st.partitioner_budget, allow_random=st.allow_random)
         nodes = {name: len(gm.graph.nodes) for name, gm in (
             ("forward", graph.captured.forward), ("backward", graph.captured.backward),
             ("inference", graph.captured.inference))}
         return ScheduleReport(
-            plans=plans, chosen=setup["schedule"], reason=setup["reason"],
-            batch=setup["batch"], num_steps=setup["noise"].shape[0],
-            selected_per_sample=setup["chunk_steps"][0].shape[1],
+            plans=st.plans, chosen=st.schedule, reason=st.reason, batch=st.batch,
+            num_steps=st.noise.shape[0], selected_per_sample=st.chunk_steps[0].shape[1],
             saved_bytes_per_call=graph.captured.saved_bytes,
-            memory_budget_bytes=setup["budget_bytes"], graph_nodes=nodes)
+            memory_budget_bytes=st.budget_bytes, graph_nodes=nodes)
 
     def _budget_bytes(self, device) -> int:
         cfg = self.config
@@ -361,14 +358,10 @@ class GRPOTrainer:
         ``chunks > 1`` splits each sample's selected steps into that many chunks; only the first
         goes through the schedule (``pending.update(chunk=c)`` recomputes chunk ``c``)."""
         cfg = self.config
-        setup = self._setup(conditions, generator, schedule=schedule, chunks=chunks)
-        (keys, num_prompts, batch, cond, cond_list, selected, latents0, noise, chunk_steps,
-         mask, sample_module, score_module, schedule, allow_random, reason, plans,
-         partitioner_budget) = (
-            setup[k] for k in ("keys", "num_prompts", "batch", "cond", "cond_list", "selected",
-                               "latents0", "noise", "chunk_steps", "mask", "sample_module",
-                               "score_module", "schedule", "allow_random", "reason", "plans",
-                               "partitioner_budget"))
+        st = self._setup(conditions, generator, schedule=schedule, chunks=chunks)
+        batch, cond, cond_list, mask, plans = st.batch, st.cond, st.cond_list, st.mask, st.plans
+        sample_module, score_module, schedule = st.sample_module, st.score_module, st.schedule
+        latents0, noise, chunk_steps = st.latents0, st.noise, st.chunk_steps
         inputs = module_inputs(sample_module)
         ref_inputs = module_inputs(sample_module, self._reference) if self._reference else None
         names = module_input_names(sample_module)
@@ -379,12 +372,12 @@ class GRPOTrainer:
                 plan=plans[name], graphs=self.graphs, sample_module=sample_module,
                 score_module=score_module, module_inputs=inputs, ref_inputs=ref_inputs,
                 trainable=trainable_idx, beta=cfg.beta, clip_range=cfg.clip_range, norm=norm,
-                partitioner_budget=budget, allow_random=allow_random or name == "recompute")
+                partitioner_budget=budget, allow_random=st.allow_random or name == "recompute")
 
-        runner = runner_for(schedule, batch * chunk_steps[0].shape[1], partitioner_budget)
+        runner = runner_for(schedule, batch * chunk_steps[0].shape[1], st.partitioner_budget)
         versions = self._versions()
         adv_config = AdvantageConfig(global_std=cfg.global_std, adv_clip_max=cfg.adv_clip_max)
-        group_ids = group_ids_for(num_prompts, cfg.group_size)
+        group_ids = group_ids_for(st.num_prompts, cfg.group_size)
 
         start = time.perf_counter()
         rewards = torch.zeros(batch)
@@ -398,11 +391,11 @@ class GRPOTrainer:
             rewards = check_rewards(self.reward_fn(trajectory[:, -1], cond), batch)
         advantages = group_advantages(rewards, group_ids, adv_config)
         rollout_seconds = time.perf_counter() - start
-        record = Rollout(latents=trajectory, selected=selected, log_probs=log_probs,
+        record = Rollout(latents=trajectory, selected=st.selected, log_probs=log_probs,
                          rewards=rewards, advantages=advantages, conditions=cond, noise=noise)
         self.last_rollout = record
         return PendingUpdate(trainer=self, runner=runner, runner_for=runner_for,
-                             schedule=schedule, reason=reason, plans=plans, rollout=record,
+                             schedule=schedule, reason=st.reason, plans=plans, rollout=record,
                              chunk_steps=chunk_steps, versions=versions,
                              cond_list=cond_list, rollout_seconds=rollout_seconds)
 
@@ -468,6 +461,30 @@ class GRPOTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
+
+
+@dataclass(kw_only=True)
+class _Setup:
+    """What is drawn and captured before a rollout, and the chosen plan."""
+
+    keys: list
+    num_prompts: int
+    batch: int
+    cond: dict
+    cond_list: list
+    selected: torch.Tensor
+    latents0: torch.Tensor
+    noise: torch.Tensor
+    chunk_steps: list
+    mask: torch.Tensor
+    sample_module: PolicyStep
+    score_module: PolicyStep
+    schedule: str
+    allow_random: bool
+    reason: str
+    plans: dict
+    partitioner_budget: float | None
+    budget_bytes: int
 
 
 class PendingUpdate:

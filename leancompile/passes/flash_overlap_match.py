@@ -1,0 +1,796 @@
+"""FlashOverlap, the matching half: which collectives around matmuls can become P2P schedules.
+
+This module finds; it rewrites nothing. Every ``_c10d_functional.all_gather_into_tensor`` and
+``reduce_scatter_tensor`` node in a post-grad graph (forward, backward or inference, before or
+after ``canonicalize``: ``view``, ``_unsafe_view`` and ``reshape`` are all followed) is either
+returned as a match or recorded in the ``PassResult`` as a skipped site with a reason a user can
+act on. The FlashOverlap schedules the rewrite builds from these matches are in
+``shared/docs/flashoverlap.md``.
+
+Patterns (``N`` ranks in the group; ``m`` = ``divisor``, the chunks per rank the rewrite will use)
+
+All-gather feeding matmuls, ``kind="ag_input"`` (tensor/sequence parallel: QKV, FC1, and the
+backward of a row-parallel reduce-scatter). Gather on dim 0, and DTensor's gather on dim d != 0,
+which it spells as a dim-0 gather, a split into N pieces and a cat on dim d::
+
+    ag = all_gather_into_tensor(x, N, "0")         ag = all_gather_into_tensor(x, N, "0")
+    g  = wait_tensor(ag)                           w  = wait_tensor(ag)
+    q  = mm(g, wq)                                 s  = split(w, x.size(0))    # N pieces
+    k  = mm(g, wk)     # one site,                 g  = cat([s[0], .., s[N-1]], d)
+    v  = mm(g, wv)     # three consumers           a  = view(g, [B*S, D])
+                                                   y  = addmm(bias, a, t(w1))
+
+All-gather of the weight operand, ``kind="ag_weight"`` (FSDP-style parameter gather: a
+``Shard(0)`` DTensor parameter redistributed to ``Replicate`` inside the compiled region)::
+
+    ag = all_gather_into_tensor(w_shard, N, "0")
+    g  = wait_tensor(ag)
+    v  = view(g, [out, in])
+    y  = mm(x, t(v))                  # gathered rows of w = columns (N dim) of the output
+
+Matmul feeding a reduce-scatter, ``kind="rs_output"`` (row-parallel out-proj / FC2, and the
+backward of a column-parallel all-gather); DTensor's scatter on dim d != 0 is a split on d and a
+cat on dim 0 (the dynamic-shape backward spells the split as N ``slice`` nodes)::
+
+    y  = addmm(bias, h, t(w2))
+    v  = view(y, [B, S, D])
+    s  = split(v, S // N, d)
+    c  = cat([s[0], .., s[N-1]])      # (dim 0 only: rs = reduce_scatter_tensor(y, ...))
+    rs = reduce_scatter_tensor(c, "sum", N, "0")
+    o  = wait_tensor(rs)
+
+Weight-gradient matmul feeding the gradient reduce-scatter, ``kind="rs_weight_grad"`` (the
+FSDP-style backward; DTensor puts transposes and a view between)::
+
+    dw = mm(t(dy), x)                 # A operand is a transpose, in a backward graph
+    v  = view(t(t(dw)), [out, in])
+    rs = reduce_scatter_tensor(v, "sum", N, "0")
+    o  = wait_tensor(rs)
+
+What a match records. The nodes of the collective and its wait; the group name and size; the
+logical gather/scatter dim and the logical tensor's shape; the split/getitem/slice/cat nodes of
+DTensor's reassembly; for an all-gather, every matmul that reads the gathered tensor
+(``MatmulUse``: the node, operand ``"A"`` or ``"B"``, and the matmul dim ``"M"``, ``"N"`` or
+``"K"`` the gather dim lands in, with the reshape/transpose/clone nodes ``via`` which it is
+reached) and its other readers; for a reduce-scatter, the producing matmul, the nodes between,
+and the output dim (``"M"`` or ``"N"``) the scatter dim comes from. A use whose gather dim is the
+contraction dim ``"K"`` (the weight-gradient matmul of a gathered gradient) can only be sliced by
+summing partial products; the rewrite may leave it reading the reassembled tensor. The ``kind``
+names the pattern for reports: ``ag_weight`` when every use in an output dim reads the gathered
+tensor as operand B; ``rs_weight_grad`` when the graph is a backward graph (it has a
+``tangents`` input) and the producing matmul's A operand is a transpose (``dW = dY^T X``).
+
+Dynamic shapes. Sizes in ``meta["val"]`` may be SymInts. Divisibility of the gathered (or
+reduced) size by ``N * m`` is decided on the shape environment's sympy expression, without adding
+guards (``statically_known_true``). When it is only true for the traced sizes (``4*s27`` by 8
+holds when ``s27`` is even), the match carries ``needs_guard``: the sympy condition, e.g.
+``Eq(Mod(4*s27, 8), 0)`` (the site is not skipped); a rewrite that uses the match must install it
+first (``shape_env.evaluate_expr(match.needs_guard)`` adds it to the compiled region's guards).
+``allow_guards=False`` skips such sites instead, naming the symbol and the guard. A symbolic size
+that is false for the traced sizes, or has no hint (data-dependent), is skipped.
+
+Skip reasons (the site is the collective node; kinds ``"all_gather+mm"`` and
+``"mm+reduce_scatter"``):
+
+- ``wait_tensor is not the only user of the collective (users: ...)``
+- ``group '<name>' is unknown: not a registered process group name``; ``group size argument 4
+  does not match the size 2 of group '1'``
+- ``reduce op 'avg' is not supported (sum only)``
+- ``uneven shards: gather dim 1 holds 30 elements over 4 ranks ...; pad ... to 32``
+  (DTensor pads the last shard and trims the gathered tensor / pads the reduce-scatter input)
+- ``consumer aten.relu.default at relu is not a matmul (mm/addmm)`` (no matmul reads it)
+- ``operand B of mm_1 also depends on the gathered tensor (through ...)``: the matmul cannot
+  start before the gather completes
+- ``the gathered tensor has other users (aten.add.Tensor at add_3)``: only with
+  ``allow_other_users=False``; by default other readers (the graph output when the gathered
+  tensor is saved for backward, a bias-gradient ``sum``) are recorded in ``other_users`` and the
+  rewrite feeds them the reassembled tensor, as the original all-gather did
+- ``the gather dim is the contraction (K) dim of every matmul that reads it (...)``
+- ``the gather dim is spread over both dims of operand A of mm by view_2 ...``
+- ``the reduce-scatter input is produced by aten.relu.default at relu, not by a matmul``
+- ``the matmul result mm_2 has other users (...)``
+- ``the scatter dim mixes the matmul's row and column dims (...)``
+- ``gather dim 1 of size 28 is not divisible by world size 4 x chunks_per_rank 2 = 8; pad dim 1
+  to 32 or set chunks_per_rank=1``
+- ``symbolic size 4*s27 of gather dim 1 is not divisible by ... (= 12 for the traced shapes)``,
+  ``... cannot be proven divisible by 8: true for the traced shapes only under the guard ...``
+  (``allow_guards=False``), ``... cannot be proven divisible by 8 (data-dependent size, no hint)``
+- ``no shape metadata (meta['val']) on <node>; run on a traced post-grad graph``
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Literal
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .result import PassResult
+
+__all__ = [
+    "AG_SITE",
+    "RS_SITE",
+    "AllGatherMatch",
+    "MatmulUse",
+    "ReduceScatterMatch",
+    "find_all_gather_matches",
+    "find_reduce_scatter_matches",
+]
+
+AG_SITE = "all_gather+mm"
+RS_SITE = "mm+reduce_scatter"
+
+aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+
+_MATMULS = (aten.mm.default, aten.addmm.default)
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_TRANSPOSES = (aten.t.default, aten.transpose.int, aten.permute.default)
+_SAME_LAYOUT = (aten.clone.default, aten.alias.default)
+_PASS_THROUGH = _RESHAPES + _TRANSPOSES + _SAME_LAYOUT
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
+_METADATA = (aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
+             aten.sym_storage_offset.default)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatmulUse:
+    """One matmul reading the gathered tensor.
+
+    ``operand`` is ``"A"`` (``mm``'s first operand, ``addmm``'s second) or ``"B"`` (the
+    weight side); ``dim`` is the matmul dim the gather dim lands in: ``"M"`` (rows of A and of
+    the output), ``"N"`` (columns of B and of the output) or ``"K"`` (the contraction dim);
+    ``via`` are the reshape/transpose/clone nodes from the gathered tensor to the operand.
+    """
+
+    node: fx.Node
+    operand: Literal["A", "B"]
+    dim: Literal["M", "N", "K"]
+    via: tuple[fx.Node, ...] = ()
+
+    @property
+    def slices_output(self) -> bool:
+        """True when a slice of the gather dim is a slice of the output (no partial sums)."""
+        return self.dim != "K"
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllGatherMatch:
+    """An all-gather whose result feeds one or more matmuls.
+
+    ``gathered`` is the node holding the full tensor in its logical layout: the wait for a
+    gather on dim 0, the ``cat`` of DTensor's split+cat for ``gather_dim`` != 0 (``reassembly``
+    holds the split, getitem and cat nodes). ``shape`` is the gathered tensor's shape (ints or
+    SymInts). ``other_users`` are readers that are not matmul operands (the graph output when the
+    tensor is saved for backward, a bias-gradient ``sum``). ``needs_guard`` is a sympy condition
+    the rewrite must install before relying on divisibility by ``group_size * divisor``, or None.
+    """
+
+    kind: Literal["ag_input", "ag_weight"]
+    all_gather: fx.Node
+    wait: fx.Node
+    shard: fx.Node
+    gathered: fx.Node
+    gather_dim: int
+    group_name: str
+    group_size: int
+    shape: tuple
+    reassembly: tuple[fx.Node, ...]
+    consumers: tuple[MatmulUse, ...]
+    other_users: tuple[fx.Node, ...] = ()
+    divisor: int = 1
+    needs_guard: sympy.Basic | None = None
+
+    @property
+    def between(self) -> tuple[fx.Node, ...]:
+        """Every node between the wait and the matmuls, in graph order, each once."""
+        return _unique((*self.reassembly, *(n for use in self.consumers for n in use.via)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReduceScatterMatch:
+    """A matmul whose result is reduce-scattered.
+
+    ``reduced`` is the tensor in its logical layout (before DTensor's split+cat, which is in
+    ``reassembly``); ``scatter_dim`` is its dim the collective scatters, ``shape`` its shape;
+    ``via`` are the reshape/transpose/clone nodes from ``matmul`` to ``reduced``; ``dim`` is the
+    matmul output dim (``"M"`` rows, ``"N"`` columns) the scatter dim comes from.
+    """
+
+    kind: Literal["rs_output", "rs_weight_grad"]
+    matmul: fx.Node
+    dim: Literal["M", "N"]
+    via: tuple[fx.Node, ...]
+    reduced: fx.Node
+    reassembly: tuple[fx.Node, ...]
+    reduce_scatter: fx.Node
+    wait: fx.Node
+    reduce_op: str
+    scatter_dim: int
+    group_name: str
+    group_size: int
+    shape: tuple
+    divisor: int = 1
+    needs_guard: sympy.Basic | None = None
+
+    @property
+    def between(self) -> tuple[fx.Node, ...]:
+        """Every node between the matmul and the reduce-scatter, in graph order."""
+        return (*self.via, *self.reassembly)
+
+
+class _Skip(Exception):
+    """Internal: this site is left alone, with ``args[0]`` as the reason."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points
+
+
+def find_all_gather_matches(graph: fx.Graph, result: PassResult, *, divisor: int = 1,
+                            allow_other_users: bool = True,
+                            allow_guards: bool = True) -> list[AllGatherMatch]:
+    """Every all-gather feeding matmuls; every other all-gather goes to ``result`` with a reason.
+
+    ``divisor`` is the chunks per rank the rewrite will use: the gathered size along the gather
+    dim must be divisible by ``group_size * divisor``. ``allow_other_users=False`` skips gathers
+    whose result is also read by something other than a matmul operand (the graph output
+    included). ``allow_guards=False`` skips symbolic sizes that are divisible only under a guard.
+    """
+    _check_divisor(divisor)
+    matches = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is _c10d.all_gather_into_tensor.default:
+            try:
+                matches.append(_match_all_gather(node, divisor, allow_other_users, allow_guards))
+            except _Skip as skip:
+                result.skip(node, AG_SITE, skip.args[0])
+    return matches
+
+
+def find_reduce_scatter_matches(graph: fx.Graph, result: PassResult, *, divisor: int = 1,
+                                allow_guards: bool = True) -> list[ReduceScatterMatch]:
+    """Every reduce-scatter fed by a matmul; every other one goes to ``result`` with a reason.
+
+    ``divisor`` and ``allow_guards`` as in ``find_all_gather_matches``, on the size of the
+    scattered dim.
+    """
+    _check_divisor(divisor)
+    matches = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is _c10d.reduce_scatter_tensor.default:
+            try:
+                matches.append(_match_reduce_scatter(node, divisor, allow_guards))
+            except _Skip as skip:
+                result.skip(node, RS_SITE, skip.args[0])
+    return matches
+
+
+def _check_divisor(divisor) -> None:
+    if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
+        raise ValueError(f"divisor (chunks_per_rank) must be a positive int, got {divisor!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# All-gather
+
+
+def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
+                      allow_guards: bool) -> AllGatherMatch:
+    wait = _only_wait(ag)
+    group_size = _arg(ag, 1, "group_size")
+    group_name = _arg(ag, 2, "group_name")
+    _check_group(group_name, group_size)
+    shard = ag.args[0]
+
+    gathered, gather_dim, reassembly = _all_gather_reassembly(wait, group_size)
+    shape = _shape(gathered)
+    _check_trim(gathered, gather_dim, shape, group_size, divisor)
+
+    uses, others = _matmul_uses(gathered, gather_dim)
+    if not uses:
+        if not others:
+            raise _Skip("nothing reads the gathered tensor")
+        readers = ", ".join(f"{_describe(n)}" for n in others[:3])
+        raise _Skip(f"consumer {readers} is not a matmul (mm/addmm)" if len(others) == 1 else
+                    f"no consumer is a matmul (mm/addmm): {readers}"
+                    + (f" and {len(others) - 3} more" if len(others) > 3 else ""))
+    for use in uses:
+        if use.dim is None:
+            raise _Skip(f"the gather dim is spread over both dims of operand {use.operand} of "
+                        f"{use.node.name} by {_names(use.via)}; the matmul cannot be sliced "
+                        "along it")
+    if not any(use.slices_output for use in uses):
+        listed = ", ".join(f"{u.node.name} operand {u.operand}" for u in uses)
+        raise _Skip("the gather dim is the contraction (K) dim of every matmul that reads it "
+                    f"({listed}); slicing it would sum partial products")
+    downstream = _descendants(wait)
+    for use in uses:
+        other_arg = _operand(use.node, "B" if use.operand == "A" else "A")
+        if isinstance(other_arg, fx.Node) and other_arg in downstream:
+            other = "B" if use.operand == "A" else "A"
+            raise _Skip(f"operand {other} of {use.node.name} also depends on the gathered tensor "
+                        f"(through {other_arg.name}): the matmul cannot start before the gather "
+                        "completes")
+    if others and not allow_other_users:
+        raise _Skip(f"the gathered tensor has other users ({', '.join(map(_describe, others))})")
+
+    needs_guard = _divisible(shape[gather_dim], group_size, divisor, f"gather dim {gather_dim}",
+                             allow_guards)
+    outputs = [use for use in uses if use.slices_output]
+    kind = "ag_weight" if all(use.operand == "B" for use in outputs) else "ag_input"
+    return AllGatherMatch(
+        kind=kind, all_gather=ag, wait=wait, shard=shard, gathered=gathered,
+        gather_dim=gather_dim, group_name=group_name, group_size=group_size, shape=shape,
+        reassembly=reassembly, consumers=tuple(uses), other_users=tuple(others),
+        divisor=divisor, needs_guard=needs_guard)
+
+
+def _all_gather_reassembly(wait: fx.Node, n: int) -> tuple[fx.Node, int, tuple[fx.Node, ...]]:
+    """(gathered node, gather dim, reassembly nodes): DTensor's dim-d gather is a dim-0 gather,
+    a split of the result into ``n`` pieces on dim 0 and a cat of the pieces, in order, on d."""
+    readers = _readers(wait)
+    if len(readers) == 1 and readers[0].target in _SPLITS:
+        split = readers[0]
+        if _arg(split, 2, "dim", 0) == 0:
+            pieces = _split_pieces(split, n)
+            if pieces is not None:
+                cat = _single_cat(pieces)
+                if cat is not None:
+                    return cat, _cat_dim(cat, _shape(cat)), (split, *pieces, cat)
+    if readers and all(_is_slice_of(r, wait, 0) for r in readers):
+        pieces = _ordered_slices(readers, wait, 0, n)
+        if pieces is not None:
+            cat = _single_cat(pieces)
+            if cat is not None:
+                return cat, _cat_dim(cat, _shape(cat)), (*pieces, cat)
+    return wait, 0, ()
+
+
+def _check_trim(gathered: fx.Node, dim: int, shape: tuple, n: int, m: int) -> None:
+    """DTensor's uneven gather: pad each shard to the largest, gather, then trim on ``dim``."""
+    readers = _readers(gathered)
+    if len(readers) != 1 or readers[0].target is not aten.slice.Tensor:
+        return
+    trim = readers[0]
+    if trim.args[0] is not gathered or _norm_dim(_arg(trim, 1, "dim", 0), len(shape)) != dim:
+        return
+    kept = _shape(trim)[dim]
+    if _same(kept, shape[dim]):
+        return
+    raise _Skip(f"uneven shards: gather dim {dim} holds {kept} elements over {n} ranks; DTensor "
+                f"pads each shard to {shape[dim] // n} and trims the gathered tensor "
+                f"at {trim.name}; pad dim {dim} to {_round_up_str(kept, n * m)}"
+                + (f" (a multiple of world size {n} x chunks_per_rank {m} = {n * m})"
+                   if m > 1 else f" (a multiple of world size {n})"))
+
+
+def _matmul_uses(gathered: fx.Node, gather_dim: int) -> tuple[list[MatmulUse], list[fx.Node]]:
+    """Walk from the gathered tensor through reshapes, transposes and clones to matmul operands;
+    everything else that reads it (or a node on the way) is an other user."""
+    uses: list[MatmulUse] = []
+    others: list[fx.Node] = []
+    start = tuple(frozenset({i}) for i in range(len(_shape(gathered))))
+    stack = [(gathered, start, ())]
+    while stack:
+        node, tags, via = stack.pop()
+        for user in _readers(node, keep_output=True):
+            if user.op == "call_function" and user.target in _MATMULS:
+                for operand in ("A", "B"):
+                    if _operand(user, operand) is node:
+                        uses.append(MatmulUse(node=user, operand=operand,
+                                              dim=_matmul_dim(tags, gather_dim, operand),
+                                              via=via))
+                if node not in (_operand(user, "A"), _operand(user, "B")):
+                    others.append(user)        # e.g. the bias of addmm
+                continue
+            if user.op == "call_function" and user.target in _PASS_THROUGH:
+                new_tags = _propagate(user, tags)
+                if new_tags is not None:
+                    stack.append((user, new_tags, (*via, user)))
+                    continue
+            others.append(user)
+    order = {node: i for i, node in enumerate(gathered.graph.nodes)}
+    uses.sort(key=lambda use: (order[use.node], use.operand))
+    return uses, sorted(set(others), key=lambda node: order[node])
+
+
+def _matmul_dim(tags: tuple[frozenset, ...], gather_dim: int, operand: str):
+    """Which dim of the matmul the gather dim lands in, from the operand's dim tags."""
+    holding = [i for i, tag in enumerate(tags) if gather_dim in tag]
+    if len(tags) != 2 or len(holding) != 1:
+        return None
+    if operand == "A":
+        return "M" if holding[0] == 0 else "K"
+    return "K" if holding[0] == 0 else "N"
+
+
+# ----------------------------------------------------------------------------------------------
+# Reduce-scatter
+
+
+def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> ReduceScatterMatch:
+    wait = _only_wait(rs)
+    reduce_op = _arg(rs, 1, "reduce_op")
+    group_size = _arg(rs, 2, "group_size")
+    group_name = _arg(rs, 3, "group_name")
+    _check_group(group_name, group_size)
+    if str(reduce_op).lower() != "sum":
+        raise _Skip(f"reduce op {reduce_op!r} is not supported (sum only)")
+
+    reduced, scatter_dim, reassembly = _reduce_scatter_reassembly(rs, group_size)
+    shape = _shape(reduced)
+
+    chain: list[fx.Node] = []
+    node = reduced
+    while node.op == "call_function" and node.target in _PASS_THROUGH:
+        chain.append(node)
+        node = node.args[0]
+    if node.op != "call_function" or node.target not in _MATMULS:
+        _check_pad(node, scatter_dim, group_size, divisor)
+        raise _Skip(f"the reduce-scatter input is produced by {_describe(node)}, not by a matmul "
+                    "(mm/addmm)")
+    matmul = node
+    via = tuple(reversed(chain))
+
+    allowed = {*via, *reassembly, rs}
+    others = [user for n in (matmul, *via) for user in _readers(n, keep_output=True)
+              if user not in allowed]
+    if others:
+        others = sorted(set(others), key=_order(rs.graph).__getitem__)
+        raise _Skip(f"the matmul result {matmul.name} has other users "
+                    f"({', '.join(map(_describe, others))}); the sliced schedule never holds the "
+                    "whole product")
+
+    tags = (frozenset({"M"}), frozenset({"N"}))
+    for step in via:
+        tags = _propagate(step, tags)
+        if tags is None:
+            raise _Skip(f"cannot follow {_describe(step)} from {_shape(step.args[0])} to "
+                        f"{_shape(step)} back to the matmul's rows and columns")
+    dims = tags[scatter_dim]
+    if len(dims) != 1:
+        raise _Skip(f"the scatter dim mixes the matmul's row and column dims ({_names(via)} "
+                    f"reshape {_shape(matmul)} to {shape}, scatter dim {scatter_dim})")
+    dim = next(iter(dims))
+
+    needs_guard = _divisible(shape[scatter_dim], group_size, divisor,
+                             f"scatter dim {scatter_dim}", allow_guards)
+    weight_grad = _is_backward(rs.graph) and _is_transpose(_operand(matmul, "A"))
+    return ReduceScatterMatch(
+        kind="rs_weight_grad" if weight_grad else "rs_output", matmul=matmul, dim=dim, via=via,
+        reduced=reduced, reassembly=reassembly, reduce_scatter=rs, wait=wait,
+        reduce_op=str(reduce_op), scatter_dim=scatter_dim, group_name=group_name,
+        group_size=group_size, shape=shape, divisor=divisor, needs_guard=needs_guard)
+
+
+def _reduce_scatter_reassembly(rs: fx.Node, n: int) -> tuple[fx.Node, int, tuple[fx.Node, ...]]:
+    """(reduced node, scatter dim, reassembly nodes): DTensor's dim-d reduce-scatter splits the
+    tensor into ``n`` pieces on d (``split`` + getitems, or ``n`` slices) and cats them on 0."""
+    cat = rs.args[0]
+    if not (isinstance(cat, fx.Node) and cat.target is aten.cat.default
+            and _cat_dim(cat, _shape(cat)) == 0 and len(_readers(cat)) == 1):
+        return cat, 0, ()
+    pieces = list(cat.args[0])
+    if len(pieces) != n or not all(isinstance(p, fx.Node) and len(_readers(p)) == 1
+                                   for p in pieces):
+        return cat, 0, ()
+    first = pieces[0]
+    if first.target is operator.getitem and first.args[0].target in _SPLITS:
+        split = first.args[0]
+        source = split.args[0]
+        dim = _norm_dim(_arg(split, 2, "dim", 0), len(_shape(source)))
+        if _split_pieces(split, n) == pieces:
+            return source, dim, (split, *pieces, cat)
+    if first.target is aten.slice.Tensor:
+        source = first.args[0]
+        dim = _norm_dim(_arg(first, 1, "dim", 0), len(_shape(source)))
+        if _ordered_slices(pieces, source, dim, n) == pieces:
+            return source, dim, (*pieces, cat)
+    return cat, 0, ()
+
+
+def _check_pad(node: fx.Node, dim: int, n: int, m: int) -> None:
+    """DTensor's uneven reduce-scatter: the last pieces are padded (``constant_pad_nd``) and
+    cat'ed back before the split+cat; report that as uneven shards."""
+    if node.target is not aten.cat.default:
+        return
+    pads = [p for p in node.args[0]
+            if isinstance(p, fx.Node) and p.target is aten.constant_pad_nd.default]
+    if not pads:
+        return
+    source = pads[0].args[0]
+    size = "?"
+    if source.target is operator.getitem and source.args[0].target in _SPLITS:
+        size = _shape(source.args[0].args[0])[dim]
+    padded = _shape(node)[dim]
+    raise _Skip(f"uneven shards: scatter dim {dim} holds {size} elements over {n} ranks; "
+                f"DTensor pads it to {padded} ({pads[0].name}) before the reduce-scatter; pad "
+                f"dim {dim} to {_round_up_str(size, n * m) if size != '?' else 'a multiple'}"
+                + (f" (a multiple of world size {n} x chunks_per_rank {m} = {n * m})"
+                   if m > 1 else f" (a multiple of world size {n})"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared checks
+
+
+def _only_wait(collective: fx.Node) -> fx.Node:
+    users = _readers(collective, keep_output=True)
+    if len(users) == 1 and users[0].target is _c10d.wait_tensor.default:
+        return users[0]
+    listed = ", ".join(map(_describe, users)) or "none"
+    raise _Skip(f"wait_tensor is not the only user of the collective (users: {listed})")
+
+
+def _check_group(name, size) -> None:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        group = _resolve_process_group(name)
+    except Exception:  # noqa: BLE001 - any failure to resolve means "not a live group here"
+        raise _Skip(f"group {name!r} is unknown: not a registered process group name "
+                    "(unknown group)") from None
+    if group.size() != size:
+        raise _Skip(f"group size argument {size} does not match the size {group.size()} of "
+                    f"group {name!r}")
+
+
+def _divisible(size, n: int, m: int, what: str, allow_guards: bool):
+    """None when ``size`` is divisible by ``n * m``; the sympy guard when only the traced sizes
+    make it so; raises ``_Skip`` otherwise."""
+    k = n * m
+    by = f"world size {n} x chunks_per_rank {m} = {k}" if m > 1 else f"world size {n}"
+    fix = " or set chunks_per_rank=1"
+    if isinstance(size, int):
+        if size % k == 0:
+            return None
+        also = fix if m > 1 and size % n == 0 else ""
+        raise _Skip(f"{what} of size {size} is not divisible by {by}; pad {what.split(' ', 1)[1]} "
+                    f"to {_round_up_str(size, k)}{also}")
+    cond = size % k == 0
+    if statically_known_true(cond):
+        return None
+    expr = cond.node.expr
+    if not cond.node.has_hint():
+        raise _Skip(f"symbolic size {size} of {what} cannot be proven divisible by {by} "
+                    "(data-dependent size, no hint)")
+    hint = size.node.hint
+    if not cond.node.hint:
+        raise _Skip(f"symbolic size {size} of {what} (= {hint} for the traced shapes) is not "
+                    f"divisible by {by}; pad it to a multiple of {k}"
+                    + (fix if m > 1 else ""))
+    if not allow_guards:
+        raise _Skip(f"symbolic size {size} of {what} cannot be proven divisible by {by}: true "
+                    f"for the traced shapes (= {hint}) only under the guard {expr}; mark the "
+                    "dim static or allow guards" + (fix if m > 1 else ""))
+    return expr
+
+
+# ----------------------------------------------------------------------------------------------
+# Small graph helpers
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _readers(node: fx.Node, *, keep_output: bool = False) -> list[fx.Node]:
+    """Users that read the data (sym_size and friends only read metadata)."""
+    return [u for u in node.users
+            if not (u.op == "call_function" and u.target in _METADATA)
+            and (keep_output or u.op != "output")]
+
+
+def _operand(mm: fx.Node, which: str):
+    offset = 1 if mm.target is aten.addmm.default else 0
+    return mm.args[offset + (0 if which == "A" else 1)]
+
+
+def _shape(node: fx.Node) -> tuple:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        name = getattr(node, "name", node)
+        raise _Skip(f"no shape metadata (meta['val']) on {name}; run on a traced post-grad graph")
+    return tuple(val.shape)
+
+
+def _split_pieces(split: fx.Node, n: int) -> list[fx.Node] | None:
+    """The ``n`` getitems of a split, in order, when the split makes exactly ``n`` pieces."""
+    vals = split.meta.get("val")
+    if not isinstance(vals, (list, tuple)) or len(vals) != n:
+        return None
+    by_index = {}
+    for user in split.users:
+        if user.target is not operator.getitem or not isinstance(user.args[1], int):
+            return None
+        by_index[user.args[1]] = user
+    if sorted(by_index) != list(range(n)):
+        return None
+    return [by_index[i] for i in range(n)]
+
+
+def _is_slice_of(node: fx.Node, source: fx.Node, dim: int) -> bool:
+    return (node.target is aten.slice.Tensor and node.args[0] is source
+            and _norm_dim(_arg(node, 1, "dim", 0), len(_shape(source))) == dim
+            and _arg(node, 4, "step", 1) == 1)
+
+
+def _ordered_slices(nodes, source: fx.Node, dim: int, n: int) -> list[fx.Node] | None:
+    """``n`` slices of ``source`` on ``dim`` that tile it from 0 to its end, in tiling order."""
+    if len(nodes) != n or not all(_is_slice_of(s, source, dim) for s in nodes):
+        return None
+    ordered, at = [], 0
+    for _ in range(n):
+        piece = next((s for s in nodes if _same(_arg(s, 2, "start", 0), at)), None)
+        if piece is None:
+            return None
+        ordered.append(piece)
+        at = _arg(piece, 3, "end")
+    size = _shape(source)[dim]
+    if not (_same(at, size) or (isinstance(at, int) and isinstance(size, int) and at >= size)):
+        return None
+    return ordered
+
+
+def _single_cat(pieces: list[fx.Node]) -> fx.Node | None:
+    """The cat that reads all ``pieces``, in order, and that each piece feeds alone."""
+    readers = _readers(pieces[0])
+    if len(readers) != 1 or readers[0].target is not aten.cat.default:
+        return None
+    cat = readers[0]
+    if list(cat.args[0]) != list(pieces) or any(_readers(p) != [cat] for p in pieces):
+        return None
+    return cat
+
+
+def _cat_dim(cat: fx.Node, shape: tuple) -> int:
+    return _norm_dim(_arg(cat, 1, "dim", 0), len(shape))
+
+
+def _norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _same(a, b) -> bool:
+    """a == b for ints, SymInts (statically, no guard) or fx nodes carrying SymInts."""
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        if a is b:
+            return True
+        a = a.meta.get("val") if isinstance(a, fx.Node) else a
+        b = b.meta.get("val") if isinstance(b, fx.Node) else b
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    try:
+        return statically_known_true(a == b)
+    except Exception:  # noqa: BLE001 - not comparable: not the same
+        return False
+
+
+def _propagate(node: fx.Node, tags: tuple[frozenset, ...]) -> tuple[frozenset, ...] | None:
+    """Dim tags of ``node``'s output from those of its input (None: cannot follow)."""
+    target = node.target
+    if target in _SAME_LAYOUT:
+        return tags
+    if target is aten.t.default:
+        return tags[::-1] if len(tags) == 2 else tags
+    if target is aten.transpose.int:
+        a, b = (_norm_dim(d, len(tags)) for d in node.args[1:3])
+        out = list(tags)
+        out[a], out[b] = tags[b], tags[a]
+        return tuple(out)
+    if target is aten.permute.default:
+        return tuple(tags[_norm_dim(d, len(tags))] for d in node.args[1])
+    if target in _RESHAPES:
+        groups = _reshape_groups(_shape(node.args[0]), _shape(node))
+        if groups is None:
+            return None
+        out = [frozenset()] * len(_shape(node))
+        for src, dst in groups:
+            merged = frozenset().union(*(tags[i] for i in src))
+            for j in dst:
+                out[j] = merged
+        return tuple(out)
+    return None
+
+
+def _reshape_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]] | None:
+    """Pair runs of input dims with runs of output dims of equal product (a reshape's dim
+    groups); decided on the traced sizes (hints) for SymInts."""
+    s = [_hint(x) for x in src]
+    d = [_hint(x) for x in dst]
+    if None in s or None in d or 0 in s or 0 in d:
+        return None
+    groups, i, j = [], 0, 0
+    while i < len(s) or j < len(d):
+        src_dims, dst_dims, ps, pd = [], [], 1, 1
+        if i < len(s):
+            src_dims.append(i)
+            ps *= s[i]
+            i += 1
+        if j < len(d):
+            dst_dims.append(j)
+            pd *= d[j]
+            j += 1
+        while ps != pd:
+            if ps < pd and i < len(s):
+                src_dims.append(i)
+                ps *= s[i]
+                i += 1
+            elif pd < ps and j < len(d):
+                dst_dims.append(j)
+                pd *= d[j]
+                j += 1
+            else:
+                return None
+        groups.append((src_dims, dst_dims))
+    return groups
+
+
+def _hint(size):
+    if isinstance(size, int):
+        return size
+    node = getattr(size, "node", None)
+    return node.hint if node is not None and node.has_hint() else None
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return seen
+
+
+def _is_backward(graph: fx.Graph) -> bool:
+    return any(n.op == "placeholder" and str(n.target).startswith("tangents") for n in graph.nodes)
+
+
+def _is_transpose(node) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if node.target in (aten.t.default, aten.transpose.int):
+        return True
+    return node.target is aten.permute.default and list(node.args[1]) == [1, 0]
+
+
+def _order(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {node: i for i, node in enumerate(graph.nodes)}
+
+
+def _unique(nodes) -> tuple[fx.Node, ...]:
+    seen: dict[fx.Node, None] = {}
+    for node in nodes:
+        seen.setdefault(node, None)
+    if not seen:
+        return ()
+    order = _order(next(iter(seen)).graph)
+    return tuple(sorted(seen, key=order.__getitem__))
+
+
+def _describe(node: fx.Node) -> str:
+    if node.op == "output":
+        return "the graph output (saved for backward or returned)"
+    if node.op == "placeholder":
+        return f"graph input {node.name}"
+    target = node.target
+    name = str(target) if hasattr(target, "_schema") else getattr(target, "__name__", str(target))
+    return f"{name} at {node.name}"
+
+
+def _names(nodes) -> str:
+    return ", ".join(n.name for n in nodes) or "no node"
+
+
+def _round_up_str(size, k: int) -> str:
+    if isinstance(size, int):
+        return str(-(-size // k) * k)
+    return f"a multiple of {k}"
