@@ -79,13 +79,30 @@ def test_flux_with_kl_schedules_match_recompute_and_eager():
     check_agreement(results, policy, config, reference)
 
 
-def test_wan_cfg_schedules_match_recompute_and_eager():
+def test_wan_cfg_with_kl_schedules_match_recompute_and_eager():
     policy = tiny_wan_policy()
-    config = GRPOConfig(sde="dance_grpo", eta=0.3, group_size=2, timestep_fraction=1.0)
+    reference = copy.deepcopy(policy)
+    config = GRPOConfig(sde="dance_grpo", eta=0.3, group_size=2, beta=0.05, reference="copy")
     trainer = GRPOTrainer(policy, mean_latent_reward, None, config)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn_like(p))
     conditions = policy.example_conditions(1, generator=torch.Generator().manual_seed(1),
                                            sequence_length=8)
-    check_agreement(run_all(trainer, conditions), policy, config)
+    results = run_all(trainer, conditions)
+    assert all(r.kl > 0 for r in results.values())
+    check_agreement(results, policy, config, reference)
+
+
+def test_init_same_noise_shares_the_initial_latent_per_group():
+    policy = ToyFlowPolicy(steps=2)
+    trainer = GRPOTrainer(policy, mean_latent_reward, None,
+                          GRPOConfig(group_size=3, init_same_noise=True, schedule="retain"))
+    result = trainer.compute_gradients(policy.example_conditions(2), torch.Generator().manual_seed(0))
+    start = result.rollout.latents[:, 0]
+    assert torch.equal(start[0], start[1]) and torch.equal(start[1], start[2])
+    assert not torch.equal(start[0], start[3])
+    assert not torch.equal(result.rollout.latents[0, -1], result.rollout.latents[1, -1])
 
 
 def test_per_sample_random_steps_split_the_batch():
