@@ -55,7 +55,7 @@ class Pipeline:
             if dump_dir is not None:
                 (dump_dir / f"{i:02d}_{spec.name}_before.py").write_text(graph_code(gm))
             start = time.perf_counter()
-            result = spec.fn(gm)
+            result = spec.fn(gm, self.options)
             result.seconds = time.perf_counter() - start
             results.append(result)
             log.info("leancompile %s graph %d: %s", phase, graph_index, result.summary())

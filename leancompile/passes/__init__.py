@@ -1,6 +1,6 @@
 """FX graph passes, one per module; the registry below is the order they run in.
 
-Each pass is a plain function ``<name>_pass(gm) -> PassResult`` over a post-grad graph (the
+Each pass is a plain function ``<name>_pass(gm, options) -> PassResult`` over a post-grad graph (the
 forward, backward or inference graph AOTAutograd hands to the compiler). The graph contract
 every pass keeps is in ``passes/README.md``.
 """
@@ -21,11 +21,12 @@ __all__ = ["PassSpec", "PASSES", "pass_names", "canonicalize_pass", "PassResult"
 
 @dataclass(frozen=True, kw_only=True)
 class PassSpec:
-    """A named pass: the function, a version that goes into the compile cache key, and a line
+    """A named pass: the function ``fn(gm, options) -> PassResult`` (``options`` is the
+    pipeline's ``CompileOptions``), a version that goes into the compile cache key, and a line
     saying what it does."""
 
     name: str
-    fn: Callable[[fx.GraphModule], PassResult]
+    fn: Callable[..., PassResult]
     version: int
     doc: str
     module_file: str

@@ -134,8 +134,9 @@ def rewrite_dead_code(match: _DeadMatch) -> None:
     match.node.graph.erase_node(match.node)
 
 
-def canonicalize_pass(gm: fx.GraphModule) -> PassResult:
-    """Rewrite views to ``aten.reshape`` and drop dead pure nodes; see the module docstring."""
+def canonicalize_pass(gm: fx.GraphModule, options=None) -> PassResult:
+    """Rewrite views to ``aten.reshape`` and drop dead pure nodes; see the module docstring.
+    Takes no options (``options`` is the pipeline's ``CompileOptions``, unused here)."""
     result = PassResult(name=NAME)
     for match in find_dead_code_matches(gm.graph, result):
         rewrite_dead_code(match)
