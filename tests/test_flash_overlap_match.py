@@ -1,5 +1,6 @@
-"""FlashOverlap matching on real traced graphs: functional collectives and DTensor TP+SP / FSDP-style
-parameters, forward and backward, under a fake 4-rank process group (graph-only, no real ranks).
+"""FlashOverlap matching on real traced graphs: functional collectives and DTensor TP+SP /
+FSDP-style parameters, forward and backward, under a fake 4-rank process group (graph-only, no
+real ranks).
 
 Every all_gather_into_tensor / reduce_scatter_tensor node of every graph is either a match or a
 skipped site with a reason; each skip reason is provoked and asserted on.
@@ -82,8 +83,8 @@ def uses(match):
 
 def test_functional_ag_mm_and_mm_rs_forward_and_backward(group):
     def f(x, w1, w2):
-        h = funcol.all_gather_tensor(x, 0, group) @ w1       # column-parallel
-        return funcol.reduce_scatter_tensor(h @ w2, "sum", 0, group)  # row-parallel
+        h = funcol.all_gather_single(x, 0, group) @ w1       # column-parallel
+        return funcol.reduce_scatter_single(h @ w2, "sum", 0, group)  # row-parallel
 
     x = torch.randn(8, 16, requires_grad=True)
     w1, w2 = torch.randn(16, 32, requires_grad=True), torch.randn(32, 16, requires_grad=True)
@@ -118,7 +119,7 @@ def test_functional_ag_mm_and_mm_rs_forward_and_backward(group):
 
 def test_qkv_projections_of_one_gather_are_one_site_with_three_consumers(group):
     def qkv(x, wq, wk, wv):
-        a = funcol.all_gather_tensor(x, 0, group)            # (4*2, 5, 16)
+        a = funcol.all_gather_single(x, 0, group)            # (4*2, 5, 16)
         return a @ wq, a @ wk, a @ wv
 
     args = torch.randn(2, 5, 16), *(torch.randn(16, 16) for _ in range(3))
@@ -130,6 +131,19 @@ def test_qkv_projections_of_one_gather_are_one_site_with_three_consumers(group):
     # 3-D matmuls: each projection reads the gather through its own view to 2-D.
     assert [[v.target for v in u.via] for u in ag.consumers] == [[aten.view.default]] * 3
     assert len({u.node for u in ag.consumers}) == 3
+
+
+def test_gather_on_dim_1_with_batch_1_is_a_view_not_split_cat(group):
+    def f(x, w):
+        return funcol.all_gather_single(x, 1, group) @ w   # shard (1, 6, 16): view form
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(1, 6, 16), torch.randn(16, 8))
+    [ag], [], result = find(gm, divisor=2)
+    assert result.skipped == []
+    # all_gather -> wait (4, 6, 16) -> view (1, 24, 16) -> view (24, 16) -> mm
+    assert [n.target for n in ag.reassembly] == [aten.view.default]
+    assert ag.gather_dim == 1 and ag.shape == (1, 24, 16)
+    assert uses(ag) == [(aten.mm.default, "A", "M")]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,7 +222,8 @@ def test_dtensor_uneven_sequence_is_skipped_as_uneven_shards(group):
     x = distribute_tensor(torch.randn(2, 30, 16), mesh, [Shard(1)]).requires_grad_()
     fw, bw = compile_graphs(model, x)                       # sequence 30 on 4 ranks
     for gm in (fw, bw):
-        for divisor, multiple in ((1, "world size 4)"), (2, "world size 4 x chunks_per_rank 2 = 8)")):
+        for divisor, multiple in ((1, "world size 4)"),
+                                  (2, "world size 4 x chunks_per_rank 2 = 8)")):
             ags, rss, result = find(gm, divisor=divisor)
             assert ags == [] and rss == []
             [ag_reason], [rs_reason] = reasons(result, AG_SITE), reasons(result, RS_SITE)
@@ -267,7 +282,7 @@ def test_fsdp_style_parameter_gather_and_weight_gradient_reduce_scatter(group):
 
 def test_skip_when_no_consumer_is_a_matmul(group):
     def f(x):
-        return torch.relu(funcol.all_gather_tensor(x, 0, group))
+        return torch.relu(funcol.all_gather_single(x, 0, group))
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(2, 8))
     ags, _, result = find(gm)
@@ -278,11 +293,11 @@ def test_skip_when_no_consumer_is_a_matmul(group):
 
 def test_extra_users_are_recorded_or_skipped(group):
     def other_reader(x, w):
-        a = funcol.all_gather_tensor(x, 0, group)
+        a = funcol.all_gather_single(x, 0, group)
         return a @ w, a + 1
 
     def feeds_the_other_operand(x):
-        a = funcol.all_gather_tensor(x, 0, group)
+        a = funcol.all_gather_single(x, 0, group)
         return a @ (a.t() * 2)
 
     x, w = torch.randn(2, 8), torch.randn(8, 4)
@@ -293,6 +308,16 @@ def test_extra_users_are_recorded_or_skipped(group):
     assert reasons(strict, AG_SITE) == ["the gathered tensor has other users "
                                         "(aten.add.Tensor at add)"]
 
+    def raw_buffer_also_read(x, w):
+        buf = c10d.wait_tensor(c10d.all_gather_into_tensor(x, WORLD, group.group_name))
+        return torch.cat(torch.chunk(buf, WORLD), 1) @ w, buf   # gather on dim 1, and raw
+
+    gm = make_fx(raw_buffer_also_read, tracing_mode="fake")(x, torch.randn(32, 4))
+    ags, _, result = find(gm)
+    assert ags == [] and reasons(result, AG_SITE) == [
+        "the all-gather buffer wait_tensor is also read in its rank-major layout by the graph "
+        "output (saved for backward or returned), besides the reassembly to gather dim 1"]
+
     gm = make_fx(feeds_the_other_operand, tracing_mode="fake")(x)
     ags, _, result = find(gm)
     assert ags == []
@@ -302,8 +327,8 @@ def test_extra_users_are_recorded_or_skipped(group):
 
 def test_skip_when_not_divisible_by_world_size_times_chunks(group):
     def f(x, w, v):
-        h = funcol.all_gather_tensor(x, 0, group) @ w              # rows: 4 x 3 = 12
-        return funcol.reduce_scatter_tensor(h @ v, "sum", 0, group)
+        h = funcol.all_gather_single(x, 0, group) @ w              # rows: 4 x 3 = 12
+        return funcol.reduce_scatter_single(h @ v, "sum", 0, group)
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(3, 8), torch.randn(8, 8), torch.randn(8, 8))
     ags, rss, result = find(gm, divisor=1)
@@ -342,7 +367,7 @@ def test_skip_unknown_group_and_wrong_group_size(group):
 
 def test_skip_unsupported_reduce_op(group):
     def f(x, w):
-        return funcol.reduce_scatter_tensor(x @ w, "avg", 0, group)
+        return funcol.reduce_scatter_single(x @ w, "avg", 0, group)
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(8, 8), torch.randn(8, 8))
     _, rss, result = find(gm)
@@ -352,11 +377,11 @@ def test_skip_unsupported_reduce_op(group):
 
 def test_skip_reduce_scatter_not_fed_by_an_exclusive_matmul(group):
     def not_a_matmul(x):
-        return funcol.reduce_scatter_tensor(torch.relu(x), "sum", 0, group)
+        return funcol.reduce_scatter_single(torch.relu(x), "sum", 0, group)
 
     def shared_product(x, w):
         y = x @ w
-        return funcol.reduce_scatter_tensor(y, "sum", 0, group), y + 1
+        return funcol.reduce_scatter_single(y, "sum", 0, group), y + 1
 
     gm = make_fx(not_a_matmul, tracing_mode="fake")(torch.randn(8, 8))
     _, rss, result = find(gm)
@@ -391,7 +416,7 @@ def test_skip_when_wait_is_not_the_only_user_of_the_collective(group):
 
 def test_dynamic_shapes_divisibility_decided_on_symbolic_sizes(group):
     def f(x, w):
-        return funcol.all_gather_tensor(x, 1, group) @ w     # sequence dim 1, split+cat
+        return funcol.all_gather_single(x, 1, group) @ w     # sequence dim 1, split+cat
 
     x = torch.randn(2, 6, 16, requires_grad=True)
     w = torch.randn(16, 8, requires_grad=True)
@@ -428,7 +453,7 @@ def test_dynamic_shapes_divisibility_decided_on_symbolic_sizes(group):
 
 def test_dynamic_shapes_odd_traced_size_is_skipped_not_guarded(group):
     def f(x, w):
-        return funcol.all_gather_tensor(x, 1, group) @ w
+        return funcol.all_gather_single(x, 1, group) @ w
 
     gm = make_fx(f, tracing_mode="symbolic")(torch.randn(2, 3, 16), torch.randn(16, 8))
     ags, _, result = find(gm, divisor=2)

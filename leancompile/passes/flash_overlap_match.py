@@ -11,7 +11,9 @@ Patterns (``N`` ranks in the group; ``m`` = ``divisor``, the chunks per rank the
 
 All-gather feeding matmuls, ``kind="ag_input"`` (tensor/sequence parallel: QKV, FC1, and the
 backward of a row-parallel reduce-scatter). Gather on dim 0, and DTensor's gather on dim d != 0,
-which it spells as a dim-0 gather, a split into N pieces and a cat on dim d::
+which it spells as a dim-0 gather, a split into N pieces and a cat on dim d (or, when the
+shard's dims before d are all 1, e.g. batch 1, as one ``view`` of ``[N, .., S, D]`` to
+``[1, .., N*S, D]``; dynamic shapes may spell the split as N ``slice`` nodes)::
 
     ag = all_gather_into_tensor(x, N, "0")         ag = all_gather_into_tensor(x, N, "0")
     g  = wait_tensor(ag)                           w  = wait_tensor(ag)
@@ -50,10 +52,10 @@ FSDP-style backward; DTensor puts transposes and a view between)::
 What a match records. The nodes of the collective and its wait; the group name and size; the
 logical gather/scatter dim and the logical tensor's shape; the split/getitem/slice/cat nodes of
 DTensor's reassembly; for an all-gather, every matmul that reads the gathered tensor
-(``MatmulUse``: the node, operand ``"A"`` or ``"B"``, and the matmul dim ``"M"``, ``"N"`` or
-``"K"`` the gather dim lands in, with the reshape/transpose/clone nodes ``via`` which it is
-reached) and its other readers; for a reduce-scatter, the producing matmul, the nodes between,
-and the output dim (``"M"`` or ``"N"``) the scatter dim comes from. A use whose gather dim is the
+(``MatmulUse``: the node, operand ``"A"`` or ``"B"``, the matmul dim ``"M"``, ``"N"`` or ``"K"``
+the gather dim lands in, and the reshape/transpose/clone nodes on the way, ``via``) and its other
+readers; for a reduce-scatter, the producing matmul, the nodes between, and the output dim
+(``"M"`` or ``"N"``) the scatter dim comes from. A use whose gather dim is the
 contraction dim ``"K"`` (the weight-gradient matmul of a gathered gradient) can only be sliced by
 summing partial products; the rewrite may leave it reading the reassembled tensor. The ``kind``
 names the pattern for reports: ``ag_weight`` when every use in an output dim reads the gathered
@@ -65,14 +67,17 @@ reduced) size by ``N * m`` is decided on the shape environment's sympy expressio
 guards (``statically_known_true``). When it is only true for the traced sizes (``4*s27`` by 8
 holds when ``s27`` is even), the match carries ``needs_guard``: the sympy condition, e.g.
 ``Eq(Mod(4*s27, 8), 0)`` (the site is not skipped); a rewrite that uses the match must install it
-first (``shape_env.evaluate_expr(match.needs_guard)`` adds it to the compiled region's guards).
+first: ``shape_env.evaluate_expr(match.needs_guard)`` adds it to the shape environment, whose
+guards Dynamo turns into the compiled region's guards after the backend returns (AOTAutograd
+compiles the forward and the backward graph before that).
 ``allow_guards=False`` skips such sites instead, naming the symbol and the guard. A symbolic size
 that is false for the traced sizes, or has no hint (data-dependent), is skipped.
 
 Skip reasons (the site is the collective node; kinds ``"all_gather+mm"`` and
 ``"mm+reduce_scatter"``):
 
-- ``wait_tensor is not the only user of the collective (users: ...)``
+- ``wait_tensor is not the only user of the collective (users: ...)``; ``the all-gather buffer
+  wait_tensor is also read in its rank-major layout by ...`` (besides DTensor's split+cat)
 - ``group '<name>' is unknown: not a registered process group name``; ``group size argument 4
   does not match the size 2 of group '1'``
 - ``reduce op 'avg' is not supported (sum only)``
@@ -92,7 +97,7 @@ Skip reasons (the site is the collective node; kinds ``"all_gather+mm"`` and
 - ``the scatter dim mixes the matmul's row and column dims (...)``
 - ``gather dim 1 of size 28 is not divisible by world size 4 x chunks_per_rank 2 = 8; pad dim 1
   to 32 or set chunks_per_rank=1``
-- ``symbolic size 4*s27 of gather dim 1 is not divisible by ... (= 12 for the traced shapes)``,
+- ``symbolic size 4*s27 of gather dim 1 (= 12 for the traced shapes) is not divisible by ...``,
   ``... cannot be proven divisible by 8: true for the traced shapes only under the guard ...``
   (``allow_guards=False``), ``... cannot be proven divisible by 8 (data-dependent size, no hint)``
 - ``no shape metadata (meta['val']) on <node>; run on a traced post-grad graph``
@@ -331,24 +336,55 @@ def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
 
 
 def _all_gather_reassembly(wait: fx.Node, n: int) -> tuple[fx.Node, int, tuple[fx.Node, ...]]:
-    """(gathered node, gather dim, reassembly nodes): DTensor's dim-d gather is a dim-0 gather,
-    a split of the result into ``n`` pieces on dim 0 and a cat of the pieces, in order, on d."""
-    readers = _readers(wait)
-    if len(readers) == 1 and readers[0].target in _SPLITS:
-        split = readers[0]
-        if _arg(split, 2, "dim", 0) == 0:
-            pieces = _split_pieces(split, n)
-            if pieces is not None:
-                cat = _single_cat(pieces)
-                if cat is not None:
-                    return cat, _cat_dim(cat, _shape(cat)), (split, *pieces, cat)
-    if readers and all(_is_slice_of(r, wait, 0) for r in readers):
-        pieces = _ordered_slices(readers, wait, 0, n)
-        if pieces is not None:
-            cat = _single_cat(pieces)
+    """(gathered node, gather dim, reassembly nodes). A gather on dim d != 0 is a dim-0 gather
+    whose rank-major buffer is split into ``n`` pieces on dim 0 (``split`` + getitems, or ``n``
+    slices) and cat'ed, in order, on d; or one ``view`` (see ``_view_gather_dim``)."""
+    readers = _readers(wait, keep_output=True)
+    found = None
+    for reader in readers:
+        if reader.target in _RESHAPES:
+            dim = _view_gather_dim(_shape(wait), _shape(reader), n)
+            if dim is not None:
+                found = (reader, dim, (reader,))
+                break
+        if reader.target in _SPLITS and _arg(reader, 2, "dim", 0) == 0:
+            pieces = _split_pieces(reader, n)
+            cat = _cat_of(pieces) if pieces else None
             if cat is not None:
-                return cat, _cat_dim(cat, _shape(cat)), (*pieces, cat)
-    return wait, 0, ()
+                found = (cat, _cat_dim(cat, _shape(cat)), (reader, *pieces, cat))
+                break
+    if found is None:
+        slices = [r for r in readers if _is_slice_of(r, wait, 0)]
+        pieces = _ordered_slices(slices, wait, 0, n) if slices else None
+        cat = _cat_of(pieces) if pieces else None
+        if cat is not None:
+            found = (cat, _cat_dim(cat, _shape(cat)), (*pieces, cat))
+    if found is None:
+        return wait, 0, ()
+    gathered, dim, nodes = found
+    extra = [user for node in (wait, *nodes[:-1]) for user in _readers(node, keep_output=True)
+             if user not in nodes]
+    if extra:
+        raise _Skip(f"the all-gather buffer {wait.name} is also read in its rank-major layout "
+                    f"by {', '.join(map(_describe, _unique(extra)))}, besides the reassembly "
+                    f"to gather dim {dim}")
+    return gathered, dim, nodes
+
+
+def _view_gather_dim(buffer: tuple, view: tuple, n: int) -> int | None:
+    """The gather dim of funcol's view form: when the shard's dims before the gather dim d are
+    all 1, ``[N, 1.., S, rest]`` is viewed as ``[1, 1.., N*S, rest]`` instead of split+cat."""
+    if len(buffer) != len(view) or len(buffer) < 2 or not (_same(buffer[0], n)
+                                                           and _same(view[0], 1)):
+        return None
+    for d in range(1, len(view)):
+        if not _same(view[d], buffer[d]):
+            rest_same = all(_same(view[i], buffer[i]) for i in range(d + 1, len(view)))
+            ones_before = all(_same(buffer[i], 1) for i in range(1, d))
+            if rest_same and ones_before and _same(view[d], n * buffer[d]):
+                return d
+            return None
+    return None
 
 
 def _check_trim(gathered: fx.Node, dim: int, shape: tuple, n: int, m: int) -> None:
@@ -438,7 +474,7 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
     via = tuple(reversed(chain))
 
     allowed = {*via, *reassembly, rs}
-    others = [user for n in (matmul, *via) for user in _readers(n, keep_output=True)
+    others = [user for n in (matmul, *via, *reassembly) for user in _readers(n, keep_output=True)
               if user not in allowed]
     if others:
         others = sorted(set(others), key=_order(rs.graph).__getitem__)
@@ -470,14 +506,14 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
 
 def _reduce_scatter_reassembly(rs: fx.Node, n: int) -> tuple[fx.Node, int, tuple[fx.Node, ...]]:
     """(reduced node, scatter dim, reassembly nodes): DTensor's dim-d reduce-scatter splits the
-    tensor into ``n`` pieces on d (``split`` + getitems, or ``n`` slices) and cats them on 0."""
+    tensor into ``n`` pieces on d (``split`` + getitems, or ``n`` slices) and cats them on 0.
+    Other readers of these nodes are caught by the caller's other-users check."""
     cat = rs.args[0]
     if not (isinstance(cat, fx.Node) and cat.target is aten.cat.default
-            and _cat_dim(cat, _shape(cat)) == 0 and len(_readers(cat)) == 1):
+            and _cat_dim(cat, _shape(cat)) == 0):
         return cat, 0, ()
     pieces = list(cat.args[0])
-    if len(pieces) != n or not all(isinstance(p, fx.Node) and len(_readers(p)) == 1
-                                   for p in pieces):
+    if len(pieces) != n or not all(isinstance(p, fx.Node) for p in pieces):
         return cat, 0, ()
     first = pieces[0]
     if first.target is operator.getitem and first.args[0].target in _SPLITS:
@@ -528,9 +564,9 @@ def _only_wait(collective: fx.Node) -> fx.Node:
 
 
 def _check_group(name, size) -> None:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
         group = _resolve_process_group(name)
     except Exception:  # noqa: BLE001 - any failure to resolve means "not a live group here"
         raise _Skip(f"group {name!r} is unknown: not a registered process group name "
@@ -639,15 +675,10 @@ def _ordered_slices(nodes, source: fx.Node, dim: int, n: int) -> list[fx.Node] |
     return ordered
 
 
-def _single_cat(pieces: list[fx.Node]) -> fx.Node | None:
-    """The cat that reads all ``pieces``, in order, and that each piece feeds alone."""
-    readers = _readers(pieces[0])
-    if len(readers) != 1 or readers[0].target is not aten.cat.default:
-        return None
-    cat = readers[0]
-    if list(cat.args[0]) != list(pieces) or any(_readers(p) != [cat] for p in pieces):
-        return None
-    return cat
+def _cat_of(pieces: list[fx.Node]) -> fx.Node | None:
+    """The cat that reads exactly ``pieces``, in order."""
+    return next((user for user in pieces[0].users if user.target is aten.cat.default
+                 and list(user.args[0]) == list(pieces)), None)
 
 
 def _cat_dim(cat: fx.Node, shape: tuple) -> int:
