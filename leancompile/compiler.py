@@ -54,7 +54,9 @@ def current_rank() -> int:
 def _source_hash() -> str:
     """Hash of the pass and pipeline sources, so an edited pass never reuses a cached graph."""
     here = Path(__file__).parent
-    files = sorted({Path(s.module_file) for s in PASSES} | {here / "pipeline.py"})
+    # The passes, what they trace into graphs (the runtime schedules), and the runner.
+    files = sorted({Path(s.module_file) for s in PASSES} | set((here / "passes").glob("*.py"))
+                   | set((here / "runtime").glob("*.py")) | {here / "pipeline.py"})
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.read_bytes())

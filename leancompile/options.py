@@ -9,7 +9,8 @@ __all__ = ["CompileOptions", "COMPILERS"]
 
 COMPILERS = ("inductor", "aot_eager")
 # Values later passes will accept; until they land, anything but None is refused with a reason.
-_OVERLAP_VALUES: tuple = (None,)
+_OVERLAP_VALUES: tuple = (None, "flash", "slice")
+_VARIANTS = ("ring", "direct")
 _SCHEDULE_VALUES: tuple = (None,)
 
 
@@ -29,7 +30,18 @@ class CompileOptions:
     """Names of passes to skip (see ``leancompile.passes.pass_names()``)."""
 
     overlap: str | None = None
-    """Communication/compute overlap rewrite (FlashOverlap). Not available in this version."""
+    """Communication/compute overlap: ``"flash"`` (FlashOverlap: decomposed P2P schedules),
+    ``"slice"`` (the data-slicing baseline, ``chunks`` async collectives) or None (off)."""
+
+    variant: str = "ring"
+    """Flash reduce-scatter: ``"ring"`` (partials accumulate along the ring) or ``"direct"``
+    (each partial sent to its owner, local reduce)."""
+
+    chunks_per_rank: int = 1
+    """Flash: slices per rank (the sequence is cut into ``world_size * chunks_per_rank``)."""
+
+    chunks: int = 2
+    """Slice: chunks of the data-slicing baseline."""
 
     schedule: str | None = None
     """LeanGRPO schedule for policy steps. Not a compile option in this version: use
@@ -52,8 +64,14 @@ class CompileOptions:
                 f"the passes are {list(known)}")
         if self.overlap not in _OVERLAP_VALUES:
             raise ValueError(
-                f"overlap={self.overlap!r} is not available in this version of leancompile "
-                "(the FlashOverlap pass has not landed yet); leave overlap=None")
+                f"overlap={self.overlap!r} is not supported; use one of {_OVERLAP_VALUES}")
+        if self.variant not in _VARIANTS:
+            raise ValueError(f"variant={self.variant!r} is not supported; use one of "
+                             f"{_VARIANTS}")
+        for name in ("chunks_per_rank", "chunks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
         if self.schedule not in _SCHEDULE_VALUES:
             raise ValueError(
                 f"schedule={self.schedule!r} is not a compile option in this version: LeanGRPO "
@@ -72,4 +90,6 @@ class CompileOptions:
     def cache_key(self) -> dict:
         """Everything that changes what the passes produce, as plain JSON-able data."""
         return {"compiler": self.compiler, "disable": sorted(self.disable),
-                "overlap": self.overlap, "schedule": self.schedule}
+                "overlap": self.overlap, "variant": self.variant,
+                "chunks_per_rank": self.chunks_per_rank, "chunks": self.chunks,
+                "schedule": self.schedule}

@@ -131,8 +131,12 @@ def test_unknown_option_and_pass_name_are_clear_errors():
         leancompile.lean_compile(mlp(), mode="max-autotune")
     with pytest.raises(ValueError, match=r"unknown pass\(es\) \['nope'\]"):
         leancompile.lean_compile(mlp(), disable=("nope",))
-    with pytest.raises(ValueError, match="overlap='flash' is not available"):
-        leancompile.lean_compile(mlp(), overlap="flash")
+    with pytest.raises(ValueError, match="overlap='flashy' is not supported"):
+        leancompile.lean_compile(mlp(), overlap="flashy")
+    with pytest.raises(ValueError, match="chunks_per_rank=0 must be an int >= 1"):
+        leancompile.backend(overlap="flash", chunks_per_rank=0)
+    with pytest.raises(ValueError, match="variant='tree'"):
+        leancompile.backend(overlap="flash", variant="tree")
     with pytest.raises(TypeError, match="needs a function or module"):
         leancompile.lean_compile(42)
     model = mlp()

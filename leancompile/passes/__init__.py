@@ -12,11 +12,13 @@ from typing import Callable
 
 import torch.fx as fx
 
-from . import canonicalize
+from . import canonicalize, flash_overlap
 from .canonicalize import canonicalize_pass
+from .flash_overlap import flash_overlap_pass
 from .result import PassResult, Site
 
-__all__ = ["PassSpec", "PASSES", "pass_names", "canonicalize_pass", "PassResult", "Site"]
+__all__ = ["PassSpec", "PASSES", "pass_names", "canonicalize_pass", "flash_overlap_pass",
+           "PassResult", "Site"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +38,9 @@ class PassSpec:
 PASSES: tuple[PassSpec, ...] = (
     PassSpec(name=canonicalize.NAME, fn=canonicalize_pass, version=canonicalize.VERSION,
              doc="views to reshape, dead pure code dropped", module_file=canonicalize.__file__),
+    PassSpec(name=flash_overlap.NAME, fn=flash_overlap_pass, version=flash_overlap.VERSION,
+             doc="FlashOverlap (overlap='flash'|'slice'): collectives around matmuls to P2P "
+                 "schedules", module_file=flash_overlap.__file__),
 )
 
 

@@ -1,0 +1,460 @@
+"""FlashOverlap schedules on one rank: a collective next to a matmul, decomposed into P2P steps.
+
+Each function is plain eager code over tensors (torch ops and the P2P ops of ``p2p.py``), with
+Python control flow over static ints only, so the graph rewrite can trace it into a graph; the
+rank is baked in. For a group of N ranks, rank r (slices named by the rank that owns them, cut
+into m chunks each with ``chunks_per_rank=m``)::
+
+    flash_all_gather_matmul      Y_j = all_gather(x) @ W_j for every weight; step 0 computes the
+                                 own slice and posts it to r+1; step i computes the slice that
+                                 came from r-1 while it moves on; the last step sends nothing.
+    flash_matmul_reduce_scatter  reduce_scatter(h @ w); "ring": partial sums travel r -> r+1 and
+                                 grow one partial per hop, the own slice is computed last, one
+                                 add exposed; "direct": each partial goes straight to its owner,
+                                 the own slice last, a local N-way sum at the end.
+    sliced_*                     the data-slicing baseline: k chunks, one async collective each.
+
+The step lists (``flash_ag_steps``, ``flash_rs_steps``) drive the schedules, so what a test or
+``explain`` reads is what runs. Reference: ../shared/docs/flashoverlap.md, section 2.
+
+Numerics: all-gather schedules run the same mm/addmm on the same rows of X as the
+collective-then-matmul graph, one call per slice instead of one for all rows; on this project's
+CPU machines (torch 2.13) that is bitwise equal in float32 and float64, which the tests assert (a
+BLAS whose result for a row depended on the number of rows would break it). Reduce-scatter
+schedules sum the N partials in another order than the backend's reduce-scatter (ring: received
+sum + own partial; direct: rank order), and scattering the last dim slices the columns of ``w``,
+which changes the mm's blocking: float32 results agree within rtol=1e-5, atol=1e-5 (measured
+max abs diff 6e-6 for values of magnitude ~10 on 4 ranks), float64 likewise in its last bits. With
+integer-valued inputs every order is exact and results are bitwise equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .p2p import group_rank_and_size, start_exchange, wait_exchange
+
+__all__ = [
+    "ScheduleTrace",
+    "Step",
+    "Transfer",
+    "flash_ag_steps",
+    "flash_all_gather_matmul",
+    "flash_matmul_reduce_scatter",
+    "flash_rs_steps",
+    "sliced_all_gather_matmul",
+    "sliced_matmul_reduce_scatter",
+]
+
+RS_VARIANTS = ("ring", "direct")
+
+
+# ---------------------------------------------------------------------------------------------
+# Step lists
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One message: ``slice`` = (owning rank, chunk) of the data it carries, ``peer`` = the
+    group rank it goes to (send) or comes from (receive), ``tag`` = unique per message of a
+    schedule and the same on both ends."""
+
+    slice: tuple[int, int]
+    peer: int
+    tag: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of one rank.
+
+    ``compute``: the (owner, chunk) slice whose matmul runs in this step. ``wait``: receives
+    completed in this step. ``send``/``recv``: the exchange posted in this step (one
+    ``p2p_start``). Order inside a step: all-gather: wait, post, compute (the waited slice is the
+    compute's input, the posted send forwards it); ring reduce-scatter: compute, wait, add the
+    received partial sum, post the new sum; direct: compute, post its partial to the owner; its
+    last steps: compute the own slice, wait, sum.
+    """
+
+    index: int
+    compute: tuple[int, int]
+    wait: tuple[Transfer, ...] = ()
+    send: Transfer | None = None
+    recv: Transfer | None = None
+
+    def describe(self) -> str:
+        parts = [f"step {self.index}: compute slice {_name(self.compute)}"]
+        if self.wait:
+            parts.append("wait " + ", ".join(f"{_name(t.slice)} from {t.peer}"
+                                             for t in self.wait))
+        if self.send is not None:
+            parts.append(f"send {_name(self.send.slice)} to {self.send.peer}")
+        if self.recv is not None:
+            parts.append(f"recv {_name(self.recv.slice)} from {self.recv.peer}")
+        return "; ".join(parts)
+
+
+def _name(s: tuple[int, int]) -> str:
+    return f"{s[0]}.{s[1]}"
+
+
+@dataclass(frozen=True)
+class ScheduleTrace:
+    """The steps one rank runs: ``kind`` is "flash_ag", "flash_rs" (ring) or "direct_rs"."""
+
+    kind: str
+    rank: int
+    world_size: int
+    chunks_per_rank: int
+    steps: tuple[Step, ...]
+
+    def sends(self) -> list[Transfer]:
+        return [s.send for s in self.steps if s.send is not None]
+
+    def recvs(self) -> list[Transfer]:
+        return [s.recv for s in self.steps if s.recv is not None]
+
+    def format(self) -> str:
+        head = (f"{self.kind} rank {self.rank}/{self.world_size}, "
+                f"chunks_per_rank={self.chunks_per_rank}, {len(self.steps)} steps")
+        return "\n".join([head] + ["  " + s.describe() for s in self.steps])
+
+
+def _check_rank_world(rank: int, world: int, m: int) -> None:
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a group of {world} ranks")
+    _check_positive("chunks_per_rank", m)
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}: expected an int >= 1")
+
+
+def flash_ag_steps(rank: int, world: int, m: int = 1) -> ScheduleTrace:
+    """Flash-AG on ``rank`` of ``world``: step i*m + c computes chunk c of slice (rank-i) % world.
+    Round 0 is the rank's own data (no wait); each slice is forwarded to rank+1 while its matmul
+    runs and waited for one round (m steps) later; the last round sends nothing."""
+    _check_rank_world(rank, world, m)
+    n, r = world, rank
+    steps = []
+    for i in range(n):
+        for c in range(m):
+            owner = (r - i) % n
+            wait = (Transfer((owner, c), (r - 1) % n, (i - 1) * m + c),) if i > 0 else ()
+            send = recv = None
+            if i < n - 1:
+                send = Transfer((owner, c), (r + 1) % n, i * m + c)
+                recv = Transfer(((r - i - 1) % n, c), (r - 1) % n, i * m + c)
+            steps.append(Step(i * m + c, (owner, c), wait, send, recv))
+    return ScheduleTrace("flash_ag", r, n, m, tuple(steps))
+
+
+def flash_rs_steps(rank: int, world: int, m: int = 1, variant: str = "ring") -> ScheduleTrace:
+    """Flash-RS on ``rank`` of ``world``. Ring: step i*m + c computes the partial of chunk c of
+    slice (rank-1-i) % world, adds the sum received from rank-1 (i > 0) and posts the result to
+    rank+1 (i < world-1); the last round is the rank's own slice. Direct: step (k-1)*m + c
+    computes the partial of slice (rank+k) % world and sends it to that rank, receiving rank-k's
+    partial of the own slice; the last m steps compute the own slice and sum."""
+    _check_rank_world(rank, world, m)
+    if variant not in RS_VARIANTS:
+        raise ValueError(f"unknown reduce-scatter variant {variant!r}; use one of {RS_VARIANTS}")
+    n, r = world, rank
+    steps = []
+    if variant == "ring":
+        for i in range(n):
+            for c in range(m):
+                owner = (r - 1 - i) % n
+                wait = (Transfer((owner, c), (r - 1) % n, (i - 1) * m + c),) if i > 0 else ()
+                send = recv = None
+                if i < n - 1:
+                    send = Transfer((owner, c), (r + 1) % n, i * m + c)
+                    recv = Transfer(((r - 2 - i) % n, c), (r - 1) % n, i * m + c)
+                steps.append(Step(i * m + c, (owner, c), wait, send, recv))
+        return ScheduleTrace("flash_rs", r, n, m, tuple(steps))
+    recvs: dict[int, list[Transfer]] = {c: [] for c in range(m)}
+    for k in range(1, n):
+        for c in range(m):
+            tag = (k - 1) * m + c
+            send = Transfer(((r + k) % n, c), (r + k) % n, tag)
+            recv = Transfer((r, c), (r - k) % n, tag)
+            recvs[c].append(recv)
+            steps.append(Step(tag, ((r + k) % n, c), (), send, recv))
+    for c in range(m):
+        steps.append(Step((n - 1) * m + c, (r, c), tuple(recvs[c])))
+    return ScheduleTrace("direct_rs", r, n, m, tuple(steps))
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks and the per-slice matmul
+
+
+def _as_list(weights) -> list[Tensor]:
+    if isinstance(weights, Tensor):
+        weights = [weights]
+    weights = list(weights)
+    if not weights:
+        raise ValueError("weights is empty; pass at least one (K, N) weight")
+    return weights
+
+
+def _check_weight(name: str, w: Tensor, k: int) -> None:
+    if w.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D (K, N) matrix, got shape {tuple(w.shape)}")
+    if w.size(0) != k:
+        raise ValueError(f"{name} has {w.size(0)} rows but the input's last dim (K) is {k}; "
+                         "pass the weight as (K, N), e.g. linear.weight.t()")
+
+
+def _bias_list(bias, count: int) -> list[Tensor | None]:
+    if bias is None:
+        return [None] * count
+    if isinstance(bias, Tensor):
+        bias = [bias]
+    bias = list(bias)
+    if len(bias) != count:
+        raise ValueError(f"got {len(bias)} biases for {count} weights; pass one per weight "
+                         "(None for a weight without bias)")
+    return bias
+
+
+def _dim(name: str, dim: int, ndim: int) -> int:
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{name}={dim} is out of range for a {ndim}-D tensor")
+    return dim % ndim
+
+
+def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """x (..., K) @ w (K, N) (+ b) as the mm/addmm of a post-grad graph."""
+    x2 = x.reshape(-1, x.size(-1))
+    y = torch.mm(x2, w) if b is None else torch.addmm(b, x2, w)
+    return y.reshape(*x.shape[:-1], w.size(1))
+
+
+def _cat(parts: list[Tensor], dim: int) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _check_ag(fn: str, x: Tensor, weights: list[Tensor], gather_dim: int, pieces: int,
+              pieces_name: str) -> int:
+    if x.dim() < 2:
+        raise ValueError(f"{fn}: x_shard must have a row dim and a K dim, got shape "
+                         f"{tuple(x.shape)}")
+    d = _dim("gather_dim", gather_dim, x.dim())
+    if d == x.dim() - 1:
+        raise ValueError(f"{fn}: gather_dim={gather_dim} is the contraction (K) dim of the "
+                         "matmul; gathering it is a reduction, not a gather of rows")
+    for j, w in enumerate(weights):
+        _check_weight(f"weights[{j}]", w, x.size(-1))
+    _check_positive(pieces_name, pieces)
+    size = x.size(d)
+    if size % pieces:
+        good = [q for q in range(1, size + 1) if size % q == 0 and q <= pieces]
+        raise ValueError(f"{fn}: x_shard has size {size} along gather_dim {d}, not divisible "
+                         f"by {pieces_name}={pieces}; pad it to {-(-size // pieces) * pieces} "
+                         f"or use {pieces_name}={good[-1]}")
+    return d
+
+
+def _check_rs(fn: str, h: Tensor, w: Tensor, scatter_dim: int, n: int, pieces: int,
+              pieces_name: str) -> tuple[int, int]:
+    if h.dim() < 2:
+        raise ValueError(f"{fn}: h must have a row dim and a K dim, got shape {tuple(h.shape)}")
+    _check_weight("w", w, h.size(-1))
+    d = _dim("scatter_dim", scatter_dim, h.dim())
+    _check_positive(pieces_name, pieces)
+    size = w.size(1) if d == h.dim() - 1 else h.size(d)
+    total = n * pieces
+    if size % total:
+        per_rank = f"; or use {pieces_name} dividing {size // n}" if size % n == 0 else ""
+        raise ValueError(f"{fn}: the output has size {size} along scatter_dim {d}, not "
+                         f"divisible by world size {n} x {pieces_name} {pieces} = {total}; pad "
+                         f"it to {-(-size // total) * total}{per_rank}")
+    return d, size
+
+
+def _partial(h: Tensor, w: Tensor, b: Tensor | None, d: int, ranges) -> Tensor:
+    """The rows (or, for the last dim, the columns) ``ranges`` = [(start, length)] of h @ w + b
+    along output dim d, concatenated in that order."""
+    if d == h.dim() - 1:
+        wc = _cat([w.narrow(1, s, n) for s, n in ranges], 1)
+        bc = None if b is None else _cat([b.narrow(-1, s, n) for s, n in ranges], -1)
+        return _linear(h, wc, bc)
+    return _linear(_cat([h.narrow(d, s, n) for s, n in ranges], d), w, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flash-AG
+
+
+def flash_all_gather_matmul(x_shard: Tensor, weights: Sequence[Tensor] | Tensor, *,
+                            group_name: str, gather_dim: int = 0, chunks_per_rank: int = 1,
+                            bias: Sequence[Tensor | None] | Tensor | None = None,
+                            return_gathered: bool = False) -> tuple[Tensor | None, list[Tensor]]:
+    """``all_gather_into_tensor(x_shard, gather_dim) @ W`` for every W in ``weights`` (+ the
+    matching entry of ``bias``), with the gather decomposed into N-1 ring hops that overlap the
+    per-slice matmuls (``flash_ag_steps``). One communication feeds all weights (Q, K and V).
+
+    ``x_shard``: (..., K), this rank's shard along ``gather_dim`` (not the last dim); weights
+    (K, N_j). Returns (the gathered X if ``return_gathered`` else None, [Y_j]). With world
+    size 1, a plain matmul.
+    """
+    fn = "flash_all_gather_matmul"
+    weights = _as_list(weights)
+    biases = _bias_list(bias, len(weights))
+    m = chunks_per_rank
+    d = _check_ag(fn, x_shard, weights, gather_dim, m, "chunks_per_rank")
+    rank, n = group_rank_and_size(group_name)
+    if n == 1:
+        return (x_shard if return_gathered else None,
+                [_linear(x_shard, w, b) for w, b in zip(weights, biases)])
+    length = x_shard.size(d) // m
+    data = {(rank, c): x_shard.narrow(d, c * length, length) for c in range(m)}
+    shape = tuple(data[(rank, 0)].shape)
+    pending = {}  # tag -> (exchange, outputs computed since it was posted)
+    outs = {}
+    for step in flash_ag_steps(rank, n, m).steps:
+        for t in step.wait:
+            exchange, overlapped = pending.pop(t.tag)
+            data[t.slice] = wait_exchange(exchange, after=overlapped)
+        if step.send is not None:
+            pending[step.recv.tag] = (start_exchange(
+                data[step.send.slice], shape, step.send.peer, step.recv.peer, group_name,
+                tag=step.send.tag), [])
+        x = data[step.compute]
+        outs[step.compute] = [_linear(x, w, b) for w, b in zip(weights, biases)]
+        for _, overlapped in pending.values():
+            overlapped.extend(outs[step.compute])
+    assert not pending, "flash_ag_steps left an exchange unwaited"
+    order = [(j, c) for j in range(n) for c in range(m)]
+    ys = [_cat([outs[s][q] for s in order], d) for q in range(len(weights))]
+    gathered = _cat([data[s] for s in order], d) if return_gathered else None
+    return gathered, ys
+
+
+# ---------------------------------------------------------------------------------------------
+# Flash-RS
+
+
+def flash_matmul_reduce_scatter(h: Tensor, w: Tensor, *, group_name: str, scatter_dim: int = 0,
+                                variant: str = "ring", chunks_per_rank: int = 1,
+                                bias: Tensor | None = None) -> Tensor:
+    """``reduce_scatter_tensor(h @ w (+ bias), "sum", scatter_dim)`` with the reduce-scatter
+    decomposed into P2P steps (``flash_rs_steps``): ``variant="ring"`` accumulates along the
+    ring, ``"direct"`` sends every partial to its owner and sums locally. Every rank adds
+    ``bias`` before the sum, as ``addmm -> reduce_scatter`` does.
+
+    ``h``: (..., K), ``w``: (K, N). ``scatter_dim`` is a dim of the output (the last one slices
+    the columns of ``w``). The result equals the collective up to float summation order (see
+    the module docstring). With world size 1, a plain matmul.
+    """
+    fn = "flash_matmul_reduce_scatter"
+    if variant not in RS_VARIANTS:
+        raise ValueError(f"{fn}: unknown variant {variant!r}; use one of {RS_VARIANTS}")
+    rank, n = group_rank_and_size(group_name)
+    m = chunks_per_rank
+    d, size = _check_rs(fn, h, w, scatter_dim, n, m, "chunks_per_rank")
+    if n == 1:
+        return _linear(h, w, bias)
+    length = size // (n * m)
+
+    def partial(s: tuple[int, int]) -> Tensor:
+        return _partial(h, w, bias, d, [((s[0] * m + s[1]) * length, length)])
+
+    trace = flash_rs_steps(rank, n, m, variant)
+    pending = {}  # tag -> (exchange, partials computed since it was posted)
+    result = {}
+    for step in trace.steps:
+        part = partial(step.compute)
+        for _, overlapped in pending.values():
+            overlapped.append(part)
+        got = {}
+        for t in step.wait:
+            exchange, overlapped = pending.pop(t.tag)
+            got[t.peer] = wait_exchange(exchange, after=overlapped)
+        if variant == "ring":
+            acc = part if not got else got[(rank - 1) % n] + part
+            result[step.compute] = acc
+            out = acc
+        else:
+            out = part
+            if step.wait:  # the own slice: local N-way sum in rank order
+                got[rank] = part
+                total = got[0]
+                for src in range(1, n):
+                    total = total + got[src]
+                result[step.compute] = total
+        if step.send is not None:
+            pending[step.recv.tag] = (start_exchange(
+                out, tuple(out.shape), step.send.peer, step.recv.peer, group_name,
+                tag=step.send.tag), [])
+    assert not pending, "flash_rs_steps left an exchange unwaited"
+    return _cat([result[(rank, c)] for c in range(m)], d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data slicing (the baseline)
+
+
+def _c10d():
+    return torch.ops._c10d_functional
+
+
+def sliced_all_gather_matmul(x_shard: Tensor, weights: Sequence[Tensor] | Tensor, *,
+                             group_name: str, gather_dim: int = 0, chunks: int = 2,
+                             bias: Sequence[Tensor | None] | Tensor | None = None,
+                             return_gathered: bool = False) -> tuple[Tensor | None, list[Tensor]]:
+    """The data-slicing baseline of ``flash_all_gather_matmul``: cut ``x_shard`` into ``chunks``
+    pieces along ``gather_dim``, post one async ``all_gather_into_tensor`` per piece up front,
+    then for each piece wait and run the matmuls (the first gather is exposed)."""
+    fn = "sliced_all_gather_matmul"
+    weights = _as_list(weights)
+    biases = _bias_list(bias, len(weights))
+    d = _check_ag(fn, x_shard, weights, gather_dim, chunks, "chunks")
+    rank, n = group_rank_and_size(group_name)
+    if n == 1:
+        return (x_shard if return_gathered else None,
+                [_linear(x_shard, w, b) for w, b in zip(weights, biases)])
+    length = x_shard.size(d) // chunks
+    started = [
+        _c10d().all_gather_into_tensor(
+            x_shard.narrow(d, c * length, length).movedim(d, 0).contiguous(), n, group_name)
+        for c in range(chunks)
+    ]
+    pieces: list[list[Tensor]] = []  # [chunk] -> gathered piece (N*length along d)
+    outs: list[list[list[Tensor]]] = []  # [chunk][weight] -> per-owner parts
+    for g in started:
+        x = _c10d().wait_tensor(g).movedim(0, d)
+        pieces.append(x)
+        outs.append([list(_linear(x, w, b).split(length, d)) for w, b in zip(weights, biases)])
+    ys = [_cat([outs[c][q][j] for j in range(n) for c in range(chunks)], d)
+          for q in range(len(weights))]
+    gathered = None
+    if return_gathered:
+        split = [p.split(length, d) for p in pieces]
+        gathered = _cat([split[c][j] for j in range(n) for c in range(chunks)], d)
+    return gathered, ys
+
+
+def sliced_matmul_reduce_scatter(h: Tensor, w: Tensor, *, group_name: str, scatter_dim: int = 0,
+                                 chunks: int = 2, bias: Tensor | None = None) -> Tensor:
+    """The data-slicing baseline of ``flash_matmul_reduce_scatter``: for each of ``chunks``
+    pieces of every rank's output slice, compute that piece's partial (all owners at once) and
+    post an async ``reduce_scatter_tensor`` before computing the next piece; wait all at the end
+    (the last reduce-scatter is exposed)."""
+    fn = "sliced_matmul_reduce_scatter"
+    rank, n = group_rank_and_size(group_name)
+    d, size = _check_rs(fn, h, w, scatter_dim, n, chunks, "chunks")
+    if n == 1:
+        return _linear(h, w, bias)
+    length = size // (n * chunks)
+    started = []
+    for c in range(chunks):
+        part = _partial(h, w, bias, d, [((j * chunks + c) * length, length) for j in range(n)])
+        started.append(_c10d().reduce_scatter_tensor(
+            part.movedim(d, 0).contiguous(), "sum", n, group_name))
+    return _cat([_c10d().wait_tensor(t).movedim(0, d) for t in started], d)
