@@ -31,7 +31,9 @@ _dump_counter = itertools.count()
 
 class Pipeline:
     """The ordered passes an option set enables. ``disable`` names were validated by
-    ``CompileOptions``; disabled passes still appear in the results, marked ``disabled``."""
+    ``CompileOptions``; disabled passes (by name, or opt-in passes the options leave off, such
+    as ``flash_overlap`` without ``overlap=``) still appear in the results, marked
+    ``disabled``."""
 
     def __init__(self, options: CompileOptions):
         self.options = options
@@ -49,7 +51,7 @@ class Pipeline:
             dump_dir.mkdir(parents=True, exist_ok=True)
         results: list[PassResult] = []
         for i, spec in enumerate(self.specs):
-            if spec.name in self.options.disable:
+            if spec.name in self.options.disable or not spec.active(self.options):
                 results.append(PassResult(name=spec.name, disabled=True))
                 continue
             if dump_dir is not None:

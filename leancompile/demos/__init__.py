@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = ["run_demo", "DEMOS"]
 
-DEMOS = ("grpo", "explain")
+DEMOS = ("grpo", "explain", "overlap")
 
 
 def run_demo(name: str, *, out: str) -> int:
@@ -16,4 +16,8 @@ def run_demo(name: str, *, out: str) -> int:
         from .grpo_demo import main
 
         return main(out=out)
+    if name == "overlap":
+        from .overlap_demo import main
+
+        return main()
     raise ValueError(f"unknown demo {name!r}; the demos are {DEMOS}")

@@ -32,6 +32,9 @@ class PassSpec:
     version: int
     doc: str
     module_file: str
+    active: Callable[..., bool] = lambda options: True
+    """Whether the options turn the pass on (an opt-in pass that is off is reported as
+    disabled and not run)."""
 
 
 # Order matters: canonicalisation first, so every later matcher sees one spelling.
@@ -40,7 +43,8 @@ PASSES: tuple[PassSpec, ...] = (
              doc="views to reshape, dead pure code dropped", module_file=canonicalize.__file__),
     PassSpec(name=flash_overlap.NAME, fn=flash_overlap_pass, version=flash_overlap.VERSION,
              doc="FlashOverlap (overlap='flash'|'slice'): collectives around matmuls to P2P "
-                 "schedules", module_file=flash_overlap.__file__),
+                 "schedules", module_file=flash_overlap.__file__,
+             active=lambda options: options.overlap is not None),
 )
 
 
