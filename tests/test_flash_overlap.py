@@ -74,6 +74,17 @@ def dtensor_attention(world):
     return model, list(model.parameters())
 
 
+def dtensor_block(world):
+    """A Llama-style block (attention + MLP, pre-norm) with Megatron TP + SP."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from leancompile.demos.overlap_demo import Block, parallelize_block
+
+    torch.manual_seed(0)
+    model = parallelize_block(Block(), DeviceMesh("cpu", list(range(world))))
+    return model, list(model.parameters())
+
+
 def dtensor_mlp(world):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard
@@ -121,15 +132,25 @@ def _compare(outs, base):
 def _worker(rank, world, init_file, out_dir, cases):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
-    logging.getLogger("leancompile").setLevel(logging.WARNING)
+    warnings_seen = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            warnings_seen.append(record.getMessage())
+
+    logger = logging.getLogger("leancompile")
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(Collect(level=logging.WARNING))
     records = {}
     try:
         for case in cases:
             name, model, seq, options = case["name"], case["model"], case["seq"], case["options"]
-            build = {"funcol": funcol_mlp, "dtensor": dtensor_mlp, "attn": dtensor_attention}
+            build = {"funcol": funcol_mlp, "dtensor": dtensor_mlp, "attn": dtensor_attention,
+                     "block": dtensor_block}
             fn, params = build[model](world)
             torch.manual_seed(100 + rank)
-            shape = (seq // world, 16) if model == "funcol" else (2, seq // world, 16)
+            dim = 64 if model == "block" else 16
+            shape = (seq // world, dim) if model == "funcol" else (2, seq // world, dim)
             x = torch.randn(*shape, requires_grad=True)
             eager = _run(fn, params, x, None)
             if case.get("install"):
@@ -143,7 +164,8 @@ def _worker(rank, world, init_file, out_dir, cases):
                 base = _run(fn, params, x, leancompile.backend(compiler="aot_eager"))
                 outs = _run(fn, params, x, leancompile.backend(compiler="aot_eager", **options))
             records[name] = {"diff": _compare(outs, base), "report": _report(),
-                             "vs_eager": _compare(outs, eager)}
+                             "vs_eager": _compare(outs, eager), "warnings": warnings_seen[:]}
+            warnings_seen.clear()
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(records, f)
@@ -205,6 +227,7 @@ def test_four_ranks_and_a_skip_with_its_reason(tmp_path):
         {"name": "funcol_direct_m2", "model": "funcol", "seq": 16,
          "options": {"overlap": "flash", "variant": "direct", "chunks_per_rank": 2}},
         {"name": "dtensor_flash", "model": "dtensor", "seq": 8, "options": FLASH},
+        {"name": "block_flash", "model": "block", "seq": 32, "options": FLASH},
         # 12 rows on 4 ranks x 2 chunks: not divisible, left alone with the reason.
         {"name": "not_divisible", "model": "funcol", "seq": 12,
          "options": {"overlap": "flash", "chunks_per_rank": 2}},
@@ -218,6 +241,35 @@ def test_four_ranks_and_a_skip_with_its_reason(tmp_path):
                     assert sites["rewritten"] == [], (rank, graph, sites)
                     assert sites["skipped"] and all("not divisible" in r
                                                     for r in sites["skipped"]), sites
+                elif name == "block_flash":  # 2 gathers + 2 reduce-scatters forward, 2 + 4 back
+                    assert sites["skipped"] == [], (rank, graph, sites)
+                    assert len(sites["rewritten"]) == (4 if graph.endswith("forward") else 6)
                 else:
                     assert sites["skipped"] == [], (rank, name, graph, sites)
                     assert len(sites["rewritten"]) == 2, (rank, name, graph, sites)
+        if "not_divisible" in records:
+            assert any("rewrote none" in w for w in records["not_divisible"]["warnings"])
+            assert not records["funcol_flash"]["warnings"]
+
+
+def test_three_ranks_with_chunks(tmp_path):
+    """An odd world size: 6 rows on 3 ranks x 2 chunks divide; 9 rows do not."""
+    cases = [
+        {"name": "m2", "model": "funcol", "seq": 6,
+         "options": {"overlap": "flash", "chunks_per_rank": 2}},
+        {"name": "direct_m2", "model": "funcol", "seq": 6,
+         "options": {"overlap": "flash", "variant": "direct", "chunks_per_rank": 2}},
+        {"name": "odd_not_divisible", "model": "funcol", "seq": 9,
+         "options": {"overlap": "flash", "chunks_per_rank": 2}},
+    ]
+    for rank, records in enumerate(run_ranks(tmp_path, 3, cases)):
+        for name, rec in records.items():
+            assert max(rec["diff"]) <= 1e-5, (rank, name, rec["diff"])
+            for graph, sites in rec["report"].items():
+                if name == "odd_not_divisible":
+                    assert sites["rewritten"] == [] and any(
+                        "world size 3 x chunks_per_rank 2 = 6" in r for r in sites["skipped"]), \
+                        (rank, graph, sites)
+                else:
+                    assert sites["skipped"] == [] and len(sites["rewritten"]) == 2, \
+                        (rank, name, graph, sites)
