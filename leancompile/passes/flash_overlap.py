@@ -134,10 +134,6 @@ def rewrite_all_gather(gm: fx.GraphModule, match: AllGatherMatch, *, chunks_per_
         result.skip(site, AG_SITE, "the gathered tensor is the weight operand (FSDP-style "
                     "parameter gather); this version rewrites input gathers only")
         return False
-    if match.needs_guard is not None:
-        result.skip(site, AG_SITE, f"divisibility holds only under the guard "
-                    f"{match.needs_guard}; this version does not install guards")
-        return False
     rows = [u for u in match.consumers if u.operand == "A" and u.dim == "M"]
     shape = tuple(_val(match.gathered).shape)
     if not rows:
@@ -217,10 +213,6 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
         result.skip(site, RS_SITE, "the scattered dim comes from the weight side (a weight-"
                     "gradient reduce-scatter); this version rewrites output reduce-scatters only")
         return False
-    if match.needs_guard is not None:
-        result.skip(site, RS_SITE, f"divisibility holds only under the guard "
-                    f"{match.needs_guard}; this version does not install guards")
-        return False
     ops = _operands(match.matmul)
     if ops is None:
         result.skip(site, RS_SITE, "addmm with alpha/beta != 1")
@@ -281,10 +273,13 @@ def flash_overlap_pass(gm: fx.GraphModule, options=None) -> PassResult:
         if node.target not in handled:
             result.skip(node, "collective", f"{node.target} is not an all-gather or a "
                         "reduce-scatter; FlashOverlap leaves it to the backend")
-    for match in find_all_gather_matches(graph, result, divisor=divisor):
+    # Guards are not installed by this version: the matcher itself skips sites whose
+    # divisibility holds only under a guard, with the guard expression in the reason.
+    for match in find_all_gather_matches(graph, result, divisor=divisor, allow_guards=False):
         rewrite_all_gather(gm, match, chunks_per_rank=m, overlap=overlap,
                            chunks=options.chunks, result=result)
-    for match in find_reduce_scatter_matches(graph, result, divisor=divisor):
+    for match in find_reduce_scatter_matches(graph, result, divisor=divisor,
+                                             allow_guards=False):
         rewrite_reduce_scatter(gm, match, chunks_per_rank=m, variant=options.variant,
                                overlap=overlap, chunks=options.chunks, result=result)
     if result.rewritten:
