@@ -224,28 +224,29 @@ def leancompile_backend(gm: fx.GraphModule, example_inputs, *, options: dict | N
 _TORCH_COMPILE_KWARGS = ("fullgraph", "dynamic")
 
 
-def lean_compile(fn=None, *, overlap: str | None = None, schedule: str | None = None,
-                 backend: str = "inductor", disable=(), **options):
+def lean_compile(fn=None, *, backend: str = "inductor", **options):
     """Compile a function or module with leancompile's passes; usable as ``@lean_compile`` or
-    ``@lean_compile(backend="aot_eager", ...)``.
+    ``@lean_compile(backend="aot_eager", overlap="flash", ...)``.
 
     ``backend`` is what compiles the graphs after our passes (``"inductor"`` or
-    ``"aot_eager"``). ``fullgraph`` and ``dynamic`` go to ``torch.compile``; any other keyword
-    raises ``TypeError``.
+    ``"aot_eager"``). The leancompile options (``overlap``, ``variant``, ``chunks_per_rank``,
+    ``chunks``, ``schedule``, ``disable``) are those of ``leancompile.backend``; ``fullgraph``
+    and ``dynamic`` go to ``torch.compile``; any other keyword raises ``TypeError``.
     """
-    unknown = sorted(set(options) - set(_TORCH_COMPILE_KWARGS))
-    if unknown:
-        raise TypeError(
-            f"lean_compile got unknown keyword(s) {unknown}; it takes overlap, schedule, "
-            f"backend, disable and the torch.compile options {list(_TORCH_COMPILE_KWARGS)}")
-    lean_backend = LeanBackend(CompileOptions(
-        compiler=backend, disable=disable, overlap=overlap, schedule=schedule))
+    compile_kwargs = {k: options.pop(k) for k in _TORCH_COMPILE_KWARGS if k in options}
+    if "compiler" in options:
+        raise TypeError("lean_compile takes backend=..., not compiler=...")
+    try:
+        lean_backend = LeanBackend(CompileOptions.from_kwargs(compiler=backend, **options))
+    except TypeError as err:
+        raise TypeError(f"lean_compile: {err}; it also takes backend and the torch.compile "
+                        f"options {list(_TORCH_COMPILE_KWARGS)}") from None
 
     def wrap(target):
         if not callable(target):
             raise TypeError(f"lean_compile needs a function or module, got "
                             f"{type(target).__name__}")
-        return torch.compile(target, backend=lean_backend, **options)
+        return torch.compile(target, backend=lean_backend, **compile_kwargs)
 
     return wrap if fn is None else wrap(fn)
 

@@ -127,8 +127,14 @@ def test_unknown_option_and_pass_name_are_clear_errors():
         leancompile.backend(disable=("canonicalise",))
     with pytest.raises(ValueError, match="compiler='eager'"):
         leancompile.backend(compiler="eager")
-    with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['mode'\]"):
+    with pytest.raises(TypeError, match=r"lean_compile: unknown leancompile option\(s\) "
+                                        r"\['mode'\].*torch.compile options \['fullgraph', "
+                                        r"'dynamic'\]"):
         leancompile.lean_compile(mlp(), mode="max-autotune")
+    with pytest.raises(TypeError, match=r"takes backend=\.\.\., not compiler="):
+        leancompile.lean_compile(mlp(), compiler="aot_eager")
+    with pytest.raises(ValueError, match="chunks_per_rank=0 must be an int >= 1"):
+        leancompile.lean_compile(mlp(), overlap="flash", chunks_per_rank=0)
     with pytest.raises(ValueError, match=r"unknown pass\(es\) \['nope'\]"):
         leancompile.lean_compile(mlp(), disable=("nope",))
     with pytest.raises(ValueError, match="overlap='flashy' is not supported"):

@@ -21,9 +21,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from leancompile.runtime.flash_schedules import (
     flash_ag_steps,
     flash_all_gather_matmul,
+    flash_all_gather_weight_matmul,
     flash_matmul_reduce_scatter,
     flash_rs_steps,
     sliced_all_gather_matmul,
+    sliced_all_gather_weight_matmul,
     sliced_matmul_reduce_scatter,
 )
 from leancompile.runtime.p2p import (
@@ -232,6 +234,17 @@ def test_all_gather_input_errors(fake_group):
         flash_all_gather_matmul(x, [w, w], group_name=fake_group, bias=[torch.randn(4)])
     with pytest.raises(ValueError, match=r"chunks=0: expected an int >= 1"):
         sliced_all_gather_matmul(x, [w], group_name=fake_group, chunks=0)
+    # Weight gathers: layout, K mismatch, divisibility of the shard's gathered dim.
+    with pytest.raises(ValueError, match=r"unknown layout 'nk'; use one of \('linear', 'kn'\)"):
+        flash_all_gather_weight_matmul(w, x, group_name=fake_group, layout="nk")
+    with pytest.raises(ValueError, match=r"inputs\[0\] has shape \(3, 8\) but the weight's K "
+                                         r"dim is 4 \(layout='linear'\)"):
+        flash_all_gather_weight_matmul(w, x, group_name=fake_group)
+    with pytest.raises(ValueError, match=r"w_shard has size 3 along gather_dim 0, not divisible "
+                                         r"by chunks=2; pad it to 4 or use chunks=1"):
+        sliced_all_gather_weight_matmul(torch.randn(3, 8), x, group_name=fake_group, chunks=2)
+    with pytest.raises(ValueError, match="inputs is empty; pass at least one"):
+        flash_all_gather_weight_matmul(w, [], group_name=fake_group, layout="kn")
     with pytest.raises(ValueError, match=r"peer_send=-2: expected a rank in the group"):
         ring_exchange(x, x.shape, -2, 0, fake_group)
     with pytest.raises(ValueError, match="recv_shape is required"):
@@ -241,11 +254,14 @@ def test_all_gather_input_errors(fake_group):
 def test_world_size_one_is_a_plain_matmul(fake_group):
     single = dist.new_group([1]).group_name  # this process (rank 1) alone
     x = torch.randint(-3, 4, (4, 3, 8)).double()
-    w, b = torch.randint(-3, 4, (8, 5)).double(), torch.randint(-3, 4, (5,)).double()
+    w, b = torch.randint(-3, 4, (8, 6)).double(), torch.randint(-3, 4, (6,)).double()
     expected = torch.matmul(x, w) + b
     for fn in (flash_all_gather_matmul, sliced_all_gather_matmul):
         gathered, (y,) = fn(x, [w], group_name=single, bias=[b], return_gathered=True)
         assert gathered is x and torch.equal(y, expected)
+    for fn in (flash_all_gather_weight_matmul, sliced_all_gather_weight_matmul):
+        gathered, (y,) = fn(w.t(), x, group_name=single, bias=b, return_gathered=True)
+        assert torch.equal(gathered, w.t()) and torch.equal(y, expected)
     for variant in ("ring", "direct"):
         y = flash_matmul_reduce_scatter(x, w, group_name=single, variant=variant, bias=b)
         assert torch.equal(y, expected)
@@ -427,6 +443,28 @@ def _run_cases(rank, n, group_name, results):
             record("ag flash", f"flash {kind} gather_dim={d} single weight, no gathered",
                    none is None and len(ys) == 1, "")
 
+        for layout in ("linear", "kn"):
+            # FSDP-style: each rank holds a shard of the weight, inputs differ per rank.
+            d = 0 if layout == "linear" else 1
+            w_shard = _inputs(kind, (4, 16) if d == 0 else (16, 4), gen)
+            xs = [_inputs(kind, (3, 5, 16), gen), _inputs(kind, (6, 16), gen)]
+            biases = [_inputs(kind, (4 * n,), torch.Generator().manual_seed(3)), None]
+            full = _ref_all_gather(w_shard, d, n)
+            b_mat = full.t() if layout == "linear" else full
+            refs = [_mm_ref(x, b_mat, b) for x, b in zip(xs, biases)]
+            for m in (1, 2):
+                for scheme, fn, kw in (("flash", flash_all_gather_weight_matmul,
+                                        "chunks_per_rank"),
+                                       ("sliced", sliced_all_gather_weight_matmul, "chunks")):
+                    gathered, ys = fn(w_shard, xs, group_name=group_name, layout=layout,
+                                      bias=biases, return_gathered=True, **{kw: m})
+                    # Slicing the weight's output columns may change the BLAS blocking: exact
+                    # for integer values, float32 within tolerance.
+                    oks = [_compare(gathered, full, True)]
+                    oks += [_compare(y, r, kind == "f64") for y, r in zip(ys, refs)]
+                    record(f"ag weight {scheme}", f"{scheme} {kind} layout={layout} {kw}={m}",
+                           all(o for o, _ in oks), "; ".join(t for _, t in oks))
+
         for d in (0, 1, 2):
             h = _inputs(kind, (2 * n, 2 * n, 32), gen)
             w = _inputs(kind, (32, 4 * n), gen)  # row-parallel: a different shard per rank
@@ -528,6 +566,12 @@ def test_flash_all_gather_matmul_equals_all_gather_then_matmul(gloo_run):
 
 def test_sliced_all_gather_matmul_equals_all_gather_then_matmul(gloo_run):
     _check(gloo_run, "ag sliced", 2 * 2 * 2)
+
+
+def test_weight_all_gather_matmul_equals_all_gather_then_matmul(gloo_run):
+    # f64/f32 x layout linear/kn x chunks 1/2, two inputs (one with bias), flash and sliced
+    _check(gloo_run, "ag weight flash", 2 * 2 * 2)
+    _check(gloo_run, "ag weight sliced", 2 * 2 * 2)
 
 
 def test_flash_matmul_reduce_scatter_equals_matmul_then_reduce_scatter(gloo_run):

@@ -124,105 +124,185 @@ def _flatten_only(via: tuple, source_shape, mm_input: fx.Node) -> bool:
 
 def rewrite_all_gather(gm: fx.GraphModule, match: AllGatherMatch, *, chunks_per_rank: int,
                        overlap: str, chunks: int, result: PassResult) -> bool:
-    """Replace ``wait(all_gather(x)) -> [reshape] -> mm(., W_j)`` for every consumer with this
-    rank's Flash-AG schedule (or the sliced baseline); see the module docstring."""
+    """Replace ``wait(all_gather(shard)) -> [reshape, transpose] -> mm`` for every matmul whose
+    output the gather dim slices with this rank's Flash-AG schedule (or the sliced baseline):
+    input gathers (rows of the output, ``kind="ag_input"``) and weight gathers (columns of the
+    output, ``kind="ag_weight"``); see the module docstring."""
+    try:
+        uses, inputs, schedule = (_weight_gather_plan if match.kind == "ag_weight" else
+                                  _input_gather_plan)(match, chunks_per_rank, overlap, chunks)
+        _inline_all_gather(gm.graph, match, uses, inputs, schedule)
+    except _Unsupported as err:
+        result.skip(match.all_gather, AG_SITE, str(err))
+        return False
+    result.rewrite(match.all_gather, AG_SITE)
+    return True
+
+
+def _input_gather_plan(match: AllGatherMatch, m: int, overlap: str, chunks: int):
+    """(uses, schedule inputs, schedule) for a gather of the matmuls' A operand (rows)."""
     from ..runtime.flash_schedules import flash_all_gather_matmul, sliced_all_gather_matmul
 
-    graph = gm.graph
-    site = match.all_gather
-    if match.kind != "ag_input":
-        result.skip(site, AG_SITE, "the gathered tensor is the weight operand (FSDP-style "
-                    "parameter gather); this version rewrites input gathers only")
-        return False
-    rows = [u for u in match.consumers if u.operand == "A" and u.dim == "M"]
+    uses = [u for u in match.consumers if u.operand == "A" and u.dim == "M"]
+    if not uses:
+        raise _Unsupported("no matmul slices its rows by the gathered dim")
     shape = tuple(_val(match.gathered).shape)
-    if not rows:
-        result.skip(site, AG_SITE, "no matmul slices its rows by the gathered dim")
-        return False
-    for use in rows:
+    for use in uses:
         ops = _operands(use.node)
         if ops is None or not _flatten_only(use.via, shape, ops[1]):
-            result.skip(site, AG_SITE, f"the layout between the gather and {use.node.name} is "
-                        "not a plain flatten of the leading dims (reshape only)")
-            return False
-    weights = [_operands(u.node)[2] for u in rows]
-    biases = [_operands(u.node)[0] for u in rows]
-    keep_gathered = bool(match.other_users) or any(
-        u not in rows for u in match.consumers) or any(
-        len(n.users) > 1 for u in rows for n in u.via)
-    bias_inputs = [b for b in biases if b is not None]
-    inputs = [match.shard, *weights, *bias_inputs]
-    n_w = len(weights)
-    group, gather_dim, m = match.group_name, match.gather_dim, chunks_per_rank
+            raise _Unsupported(f"the layout between the gather and {use.node.name} is not a "
+                               "plain flatten of the leading dims (reshape only)")
+    weights = [_operands(u.node)[2] for u in uses]
+    biases = [_operands(u.node)[0] for u in uses]
+    group, gather_dim = match.group_name, match.gather_dim
 
-    def schedule(shard, *rest):
-        ws = list(rest[:n_w])
-        it = iter(rest[n_w:])
-        bs = [next(it) if b is not None else None for b in biases]
+    def schedule(shard, *rest, keep):
+        ws, bs = _unpack(rest, len(weights), biases)
         if overlap == "slice":
-            gathered, ys = sliced_all_gather_matmul(shard, ws, group_name=group,
-                                                    gather_dim=gather_dim, chunks=chunks,
-                                                    bias=bs, return_gathered=keep_gathered)
-        else:
-            gathered, ys = flash_all_gather_matmul(shard, ws, group_name=group,
-                                                   gather_dim=gather_dim, chunks_per_rank=m,
-                                                   bias=bs, return_gathered=keep_gathered)
-        return (*ys, gathered) if keep_gathered else tuple(ys)
+            return sliced_all_gather_matmul(shard, ws, group_name=group, gather_dim=gather_dim,
+                                            chunks=chunks, bias=bs, return_gathered=keep)
+        return flash_all_gather_matmul(shard, ws, group_name=group, gather_dim=gather_dim,
+                                       chunks_per_rank=m, bias=bs, return_gathered=keep)
 
-    # Before the first reader of the gathered tensor (a matmul, a reshape on the way, or
-    # another reader of the full tensor, which then reads the schedule's reassembled copy).
-    anchor = min(list(match.gathered.users), key=lambda n: _position(graph, n))
+    return uses, [match.shard, *weights, *(b for b in biases if b is not None)], schedule
+
+
+def _weight_gather_plan(match: AllGatherMatch, m: int, overlap: str, chunks: int):
+    """(uses, schedule inputs, schedule) for a gather of the matmuls' B operand (FSDP-style:
+    the gathered rows of an (out, in) weight are the output's columns)."""
+    from ..runtime.flash_schedules import (flash_all_gather_weight_matmul,
+                                           sliced_all_gather_weight_matmul)
+
+    uses = [u for u in match.consumers if u.operand == "B" and u.dim == "N"]
+    shape = tuple(_val(match.gathered).shape)
+    if len(shape) != 2 or any(len(_val(n).shape) != 2 for u in uses for n in u.via):
+        raise _Unsupported(f"the gathered weight has shape {shape}; weight gathers are "
+                           "rewritten for 2-D weights used through views and transposes only")
+    if any(_operands(u.node) is None for u in uses):
+        raise _Unsupported("addmm with alpha/beta != 1")
+    # 2-D with the gather dim in the matmul's N dim: B is the gathered W transposed (an
+    # nn.Linear weight (out, in) gathered on out) or W itself ((K, N) gathered on N).
+    layout = "linear" if match.gather_dim == 0 else "kn"
+    xs = [_operands(u.node)[1] for u in uses]
+    biases = [_operands(u.node)[0] for u in uses]
+    group = match.group_name
+
+    def schedule(shard, *rest, keep):
+        a, bs = _unpack(rest, len(xs), biases)
+        if overlap == "slice":
+            return sliced_all_gather_weight_matmul(shard, a, group_name=group, layout=layout,
+                                                   chunks=chunks, bias=bs, return_gathered=keep)
+        return flash_all_gather_weight_matmul(shard, a, group_name=group, layout=layout,
+                                              chunks_per_rank=m, bias=bs, return_gathered=keep)
+
+    return uses, [match.shard, *xs, *(b for b in biases if b is not None)], schedule
+
+
+def _unpack(rest, count: int, biases: list) -> tuple[list, list]:
+    """Split a schedule's trailing inputs into ``count`` matmul operands and the biases (None
+    where the original matmul had none)."""
+    it = iter(rest[count:])
+    return list(rest[:count]), [next(it) if b is not None else None for b in biases]
+
+
+def _inline_all_gather(graph: fx.Graph, match: AllGatherMatch, uses, inputs, schedule) -> None:
+    """Trace ``schedule`` and put it in place of the gather and the matmuls in ``uses``.
+
+    The schedule goes before the first of those matmuls. Readers of the gathered tensor that
+    stay (the graph output when it is saved for backward, a matmul that contracts over the
+    gathered dim, a view also read by those) read the schedule's reassembled copy instead;
+    those placed before the first matmul are moved after the schedule (pure nodes only), and
+    schedule inputs placed after it (another matmul's operands) are moved before it.
+    """
+    rewritten = {u.node for u in uses}
+    dead = set(rewritten)
+    via = [n for u in uses for n in u.via]
+    changed = True
+    while changed:  # via nodes read only by replaced matmuls (or such via nodes) go too
+        changed = False
+        for node in via:
+            if node not in dead and all(user in dead for user in node.users):
+                dead.add(node)
+                changed = True
+    live = [n for n in match.gathered.users if n not in dead]
     order = {n: i for i, n in enumerate(graph.nodes)}
-    try:
-        for node in inputs:
-            _hoist(node, anchor, order)
-    except _Unsupported as err:
-        result.skip(site, AG_SITE, str(err))
-        return False
-    sub = _trace(schedule, inputs)
-    outs = _inline(graph, sub, inputs, anchor)
+    anchor = min(rewritten, key=order.__getitem__)
+    late = _users_before(live, anchor, order)
+    for node in inputs:
+        _hoist(node, anchor, order)
+    for node in late:
+        anchor.prepend(node)
+    keep = bool(live)
+    sub = _trace(lambda *args: _flat(schedule(*args, keep=keep)), inputs)
+    outs = _inline(graph, sub, inputs, late[0] if late else anchor)
+    ys = outs[:len(uses)]
     with graph.inserting_before(anchor):
-        for use, y in zip(rows, outs):
-            out_shape = list(_val(use.node).shape)
-            flat = graph.call_function(aten.reshape.default, (y, out_shape))
+        for use, y in zip(uses, ys):
+            flat = graph.call_function(aten.reshape.default, (y, list(_val(use.node).shape)))
             flat.meta["val"] = _val(use.node)
             use.node.replace_all_uses_with(flat)
-    if keep_gathered:
+    if keep:
         match.gathered.replace_all_uses_with(outs[-1])
-    dead = [u.node for u in rows] + [n for u in rows for n in u.via] + list(match.reassembly)
-    _erase_if_dead(graph, dead)
+    _erase_if_dead(graph, [u.node for u in uses] + via + list(match.reassembly))
     _erase_if_dead(graph, [match.gathered, match.wait])
     _erase_if_dead(graph, [match.wait, match.all_gather])
     if not getattr(match.all_gather, "_erased", False):
-        raise AssertionError(f"{match.all_gather.name} is still read by "
-                             f"{[ (u.name, list(u.users)) for u in match.all_gather.users]}")
-    result.rewrite(site, AG_SITE)
-    return True
+        raise AssertionError(f"{match.all_gather.name} is still read after the rewrite")
+
+
+def _flat(out) -> tuple:
+    """(Y_0, .., Y_k[, gathered]) from a schedule's (gathered or None, [Y_j])."""
+    gathered, ys = out
+    return (*ys, gathered) if gathered is not None else tuple(ys)
+
+
+def _users_before(nodes, anchor: fx.Node, order: dict) -> list[fx.Node]:
+    """``nodes`` before ``anchor`` and, transitively, their users before it, in graph order;
+    they must be pure to be moved after the schedule."""
+    found, stack = set(), [n for n in nodes if order[n] < order[anchor]]
+    while stack:
+        node = stack.pop()
+        if node in found:
+            continue
+        if node.op != "call_function" or node.is_impure():
+            raise _Unsupported(f"{node.name} reads the gathered tensor before {anchor.name} "
+                               "and cannot be moved after the schedule")
+        found.add(node)
+        stack.extend(u for u in node.users if order[u] < order[anchor])
+    return sorted(found, key=order.__getitem__)
 
 
 def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
                            chunks_per_rank: int, variant: str, overlap: str, chunks: int,
                            result: PassResult) -> bool:
-    """Replace ``mm(h, W) -> [reshape, split+cat] -> wait(reduce_scatter(., "sum"))`` with
-    this rank's Flash-RS schedule (ring or direct), or the sliced baseline."""
+    """Replace ``mm(A, B) -> [reshape, transpose, split+cat] -> wait(reduce_scatter(., "sum"))``
+    with this rank's Flash-RS schedule (ring or direct), or the sliced baseline: output
+    reduce-scatters (row-parallel) and weight-gradient reduce-scatters (``dW = mm(t(dY), X)``,
+    FSDP-style) alike, scattered on the product's rows or columns."""
     from ..runtime.flash_schedules import flash_matmul_reduce_scatter, sliced_matmul_reduce_scatter
 
     graph = gm.graph
     site = match.reduce_scatter
-    if match.kind != "rs_output" or match.dim != "M":
-        result.skip(site, RS_SITE, "the scattered dim comes from the weight side (a weight-"
-                    "gradient reduce-scatter); this version rewrites output reduce-scatters only")
-        return False
     ops = _operands(match.matmul)
     if ops is None:
         result.skip(site, RS_SITE, "addmm with alpha/beta != 1")
         return False
-    bias, a, w = ops
+    bias, a, b = ops
     reduced_shape = tuple(_val(match.reduced).shape)
-    if any(n.target not in _RESHAPES for n in match.via) or \
-            tuple(_val(match.matmul).shape) != (math.prod(reduced_shape[:-1]), reduced_shape[-1]):
-        result.skip(site, RS_SITE, "the layout between the matmul and the reduce-scatter is not "
-                    "a plain reshape of the leading dims")
+    mm_shape = tuple(_val(match.matmul).shape)
+    dims = tuple(frozenset(d) for d in match.dims)
+    product = (frozenset({"M"}), frozenset({"N"}))
+    if all(n.target in _RESHAPES for n in match.via) and \
+            mm_shape == (math.prod(reduced_shape[:-1]), reduced_shape[-1]):
+        transposed = False   # a reshape of the product's leading dims (or none)
+    elif dims == product and mm_shape == reduced_shape:
+        transposed = False   # transposes that cancel (DTensor's t(t(dW)))
+    elif dims == product[::-1] and mm_shape == reduced_shape[::-1] and bias is None:
+        transposed = True    # the reduced tensor is the product transposed: B^T A^T
+    else:
+        result.skip(site, RS_SITE, f"the layout between {match.matmul.name} {mm_shape} and the "
+                    f"reduce-scatter input {reduced_shape} ({_describe_via(match.via)}) is not a "
+                    "reshape of the leading dims, the product, or (without bias) its transpose")
         return False
     expected = list(reduced_shape)
     expected[match.scatter_dim] //= match.group_size
@@ -235,16 +315,17 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
         return False
     in_shape = list(reduced_shape[:-1]) + [_val(a).shape[-1]]
     group, dim, m = match.group_name, match.scatter_dim, chunks_per_rank
-    inputs = [a, w] + ([bias] if bias is not None else [])
+    inputs = [a, b] + ([bias] if bias is not None else [])
 
-    def schedule(a_, w_, *rest):
-        h = a_.reshape(in_shape)
-        b = rest[0] if rest else None
+    def schedule(a_, b_, *rest):
+        h, w = (b_.t(), a_.t()) if transposed else (a_, b_)
+        h = h.reshape(in_shape)
+        bias_ = rest[0] if rest else None
         if overlap == "slice":
-            return sliced_matmul_reduce_scatter(h, w_, group_name=group, scatter_dim=dim,
-                                                chunks=chunks, bias=b)
-        return flash_matmul_reduce_scatter(h, w_, group_name=group, scatter_dim=dim,
-                                           variant=variant, chunks_per_rank=m, bias=b)
+            return sliced_matmul_reduce_scatter(h, w, group_name=group, scatter_dim=dim,
+                                                chunks=chunks, bias=bias_)
+        return flash_matmul_reduce_scatter(h, w, group_name=group, scatter_dim=dim,
+                                           variant=variant, chunks_per_rank=m, bias=bias_)
 
     sub = _trace(schedule, inputs)
     (out,) = _inline(graph, sub, inputs, match.wait)
@@ -253,6 +334,10 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
                            *match.via, match.matmul])
     result.rewrite(site, RS_SITE)
     return True
+
+
+def _describe_via(via) -> str:
+    return ", ".join(f"{n.target}" for n in via) or "nothing"
 
 
 def flash_overlap_pass(gm: fx.GraphModule, options=None) -> PassResult:

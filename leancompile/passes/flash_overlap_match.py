@@ -203,7 +203,9 @@ class ReduceScatterMatch:
     ``reduced`` is the tensor in its logical layout (before DTensor's split+cat, which is in
     ``reassembly``); ``scatter_dim`` is its dim the collective scatters, ``shape`` its shape;
     ``via`` are the reshape/transpose/clone nodes from ``matmul`` to ``reduced``; ``dim`` is the
-    matmul output dim (``"M"`` rows, ``"N"`` columns) the scatter dim comes from.
+    matmul output dim (``"M"`` rows, ``"N"`` columns) the scatter dim comes from; ``dims`` holds,
+    for every dim of ``reduced``, the matmul output dims it is made of (``({"M"}, {"N"})`` when
+    ``reduced`` is the product itself, ``({"N"}, {"M"})`` when it is its transpose).
     """
 
     kind: Literal["rs_output", "rs_weight_grad"]
@@ -221,6 +223,7 @@ class ReduceScatterMatch:
     shape: tuple
     divisor: int = 1
     needs_guard: sympy.Basic | None = None
+    dims: tuple[frozenset, ...] = ()
 
     @property
     def between(self) -> tuple[fx.Node, ...]:
@@ -300,6 +303,11 @@ def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
     if not uses:
         if not others:
             raise _Skip("nothing reads the gathered tensor")
+        biased = [n for n in others if n.op == "call_function" and n.target in _MATMULS]
+        if len(biased) == len(others):
+            raise _Skip(f"the gathered tensor is only the bias of {_names(biased)}, not a matmul "
+                        "operand: no matmul slices along it (an FSDP-style bias gather; it is "
+                        "small and left to the backend)")
         readers = ", ".join(f"{_describe(n)}" for n in others[:3])
         raise _Skip(f"consumer {readers} is not a matmul (mm/addmm)" if len(others) == 1 else
                     f"no consumer is a matmul (mm/addmm): {readers}"
@@ -501,7 +509,7 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
         kind="rs_weight_grad" if weight_grad else "rs_output", matmul=matmul, dim=dim, via=via,
         reduced=reduced, reassembly=reassembly, reduce_scatter=rs, wait=wait,
         reduce_op=str(reduce_op), scatter_dim=scatter_dim, group_name=group_name,
-        group_size=group_size, shape=shape, divisor=divisor, needs_guard=needs_guard)
+        group_size=group_size, shape=shape, divisor=divisor, needs_guard=needs_guard, dims=tags)
 
 
 def _reduce_scatter_reassembly(rs: fx.Node, n: int) -> tuple[fx.Node, int, tuple[fx.Node, ...]]:

@@ -44,13 +44,16 @@ __all__ = [
     "Transfer",
     "flash_ag_steps",
     "flash_all_gather_matmul",
+    "flash_all_gather_weight_matmul",
     "flash_matmul_reduce_scatter",
     "flash_rs_steps",
     "sliced_all_gather_matmul",
+    "sliced_all_gather_weight_matmul",
     "sliced_matmul_reduce_scatter",
 ]
 
 RS_VARIANTS = ("ring", "direct")
+WEIGHT_LAYOUTS = ("linear", "kn")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,13 +196,13 @@ def flash_rs_steps(rank: int, world: int, m: int = 1, variant: str = "ring") -> 
 # Input checks and the per-slice matmul
 
 
-def _as_list(weights) -> list[Tensor]:
-    if isinstance(weights, Tensor):
-        weights = [weights]
-    weights = list(weights)
-    if not weights:
-        raise ValueError("weights is empty; pass at least one (K, N) weight")
-    return weights
+def _as_list(tensors, name: str = "weights", what: str = "(K, N) weight") -> list[Tensor]:
+    if isinstance(tensors, Tensor):
+        tensors = [tensors]
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError(f"{name} is empty; pass at least one {what}")
+    return tensors
 
 
 def _check_weight(name: str, w: Tensor, k: int) -> None:
@@ -251,13 +254,17 @@ def _check_ag(fn: str, x: Tensor, weights: list[Tensor], gather_dim: int, pieces
     for j, w in enumerate(weights):
         _check_weight(f"weights[{j}]", w, x.size(-1))
     _check_positive(pieces_name, pieces)
-    size = x.size(d)
+    _check_divisible(fn, "x_shard", x.size(d), d, pieces, pieces_name)
+    return d
+
+
+def _check_divisible(fn: str, name: str, size: int, d: int, pieces: int,
+                     pieces_name: str) -> None:
     if size % pieces:
         good = [q for q in range(1, size + 1) if size % q == 0 and q <= pieces]
-        raise ValueError(f"{fn}: x_shard has size {size} along gather_dim {d}, not divisible "
+        raise ValueError(f"{fn}: {name} has size {size} along gather_dim {d}, not divisible "
                          f"by {pieces_name}={pieces}; pad it to {-(-size // pieces) * pieces} "
                          f"or use {pieces_name}={good[-1]}")
-    return d
 
 
 def _check_rs(fn: str, h: Tensor, w: Tensor, scatter_dim: int, n: int, pieces: int,
@@ -306,14 +313,95 @@ def flash_all_gather_matmul(x_shard: Tensor, weights: Sequence[Tensor] | Tensor,
     fn = "flash_all_gather_matmul"
     weights = _as_list(weights)
     biases = _bias_list(bias, len(weights))
-    m = chunks_per_rank
-    d = _check_ag(fn, x_shard, weights, gather_dim, m, "chunks_per_rank")
+    d = _check_ag(fn, x_shard, weights, gather_dim, chunks_per_rank, "chunks_per_rank")
+
+    def compute(x: Tensor) -> list[Tensor]:
+        return [_linear(x, w, b) for w, b in zip(weights, biases)]
+
+    return _flash_ag(x_shard, d, chunks_per_rank, group_name, compute, out_dim=d,
+                     count=len(weights), return_gathered=return_gathered)
+
+
+def flash_all_gather_weight_matmul(w_shard: Tensor, inputs: Sequence[Tensor] | Tensor, *,
+                                   group_name: str, layout: str = "linear",
+                                   chunks_per_rank: int = 1,
+                                   bias: Sequence[Tensor | None] | Tensor | None = None,
+                                   return_gathered: bool = False
+                                   ) -> tuple[Tensor | None, list[Tensor]]:
+    """The FSDP-style parameter gather: ``X_j @ all_gather(w_shard)`` (as its layout says) for
+    every X_j in ``inputs``, with the gather decomposed like ``flash_all_gather_matmul``. The
+    gathered rows of the weight are columns of every output, so step i computes the output
+    columns owned by rank (r - i) % N from the weight slice that just arrived.
+
+    ``layout="linear"``: ``w_shard`` is a ``Shard(0)`` piece of an ``nn.Linear`` weight
+    (out/N, in); Y_j = X_j @ W.T (+ b_j), as ``F.linear``. ``layout="kn"``: ``w_shard`` is a
+    (K, N/N_ranks) piece of a (K, N) matrix gathered on dim 1; Y_j = X_j @ W (+ b_j). ``bias``:
+    one full (N,) bias (or None) per input. Returns (the gathered weight if ``return_gathered``
+    else None, [Y_j]).
+
+    Numerics: each slice's matmul reads fewer weight columns than the full matmul, which can
+    change the BLAS kernel's blocking; results equal the gather-then-matmul graph within float
+    tolerance (bitwise on this project's CPUs for most shapes, and always for integer-valued
+    data; see the module docstring).
+    """
+    xs, biases, d = _check_weight_gather("flash_all_gather_weight_matmul", w_shard, inputs,
+                                         bias, layout, chunks_per_rank, "chunks_per_rank")
+
+    return _flash_ag(w_shard, d, chunks_per_rank, group_name, _weight_compute(xs, biases, layout),
+                     out_dim=-1, count=len(xs), return_gathered=return_gathered,
+                     with_ranges=True)
+
+
+def _check_weight_gather(fn: str, w_shard: Tensor, inputs, bias, layout: str, pieces: int,
+                         pieces_name: str):
+    """(inputs as a list, biases as a list, gather dim) after checking them."""
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"{fn}: unknown layout {layout!r}; use one of {WEIGHT_LAYOUTS}")
+    xs = _as_list(inputs, "inputs", "(..., K) input")
+    biases = _bias_list(bias, len(xs))
+    if w_shard.dim() != 2:
+        raise ValueError(f"{fn}: w_shard must be a 2-D weight, got shape {tuple(w_shard.shape)}")
+    d = 0 if layout == "linear" else 1
+    k = w_shard.size(1 - d)
+    for j, x in enumerate(xs):
+        if x.dim() < 1 or x.size(-1) != k:
+            raise ValueError(f"{fn}: inputs[{j}] has shape {tuple(x.shape)} but the weight's K "
+                             f"dim is {k} (layout={layout!r}); the last dim must match")
+    _check_positive(pieces_name, pieces)
+    _check_divisible(fn, "w_shard", w_shard.size(d), d, pieces, pieces_name)
+    return xs, biases, d
+
+
+def _weight_compute(xs: list[Tensor], biases: list[Tensor | None], layout: str):
+    """compute(piece, ranges) for weight gathers: every input times the gathered weight rows in
+    ``piece``, plus the bias columns ``ranges`` = [(start, length)] they are."""
+
+    def compute(piece: Tensor, ranges) -> list[Tensor]:
+        b_mat = piece.t() if layout == "linear" else piece
+        return [_linear(x, b_mat, None if b is None else
+                        _cat([b.narrow(-1, s, n) for s, n in ranges], -1))
+                for x, b in zip(xs, biases)]
+
+    return compute
+
+
+def _flash_ag(shard: Tensor, d: int, m: int, group_name: str, compute, *, out_dim: int,
+              count: int, return_gathered: bool, with_ranges: bool = False
+              ) -> tuple[Tensor | None, list[Tensor]]:
+    """The Flash-AG step loop shared by the input and the weight gathers: ``compute(piece)``
+    (``compute(piece, ranges)`` with ``with_ranges``: [(start, length)] of the piece along ``d``
+    in the gathered tensor) returns ``count`` outputs, each the slice's part along ``out_dim``."""
     rank, n = group_rank_and_size(group_name)
+    length = shard.size(d) // m
+
+    def run(piece: Tensor, s: tuple[int, int]) -> list[Tensor]:
+        if with_ranges:
+            return compute(piece, [((s[0] * m + s[1]) * length, piece.size(d))])
+        return compute(piece)
+
     if n == 1:
-        return (x_shard if return_gathered else None,
-                [_linear(x_shard, w, b) for w, b in zip(weights, biases)])
-    length = x_shard.size(d) // m
-    data = {(rank, c): x_shard.narrow(d, c * length, length) for c in range(m)}
+        return shard if return_gathered else None, run(shard, (0, 0))
+    data = {(rank, c): shard.narrow(d, c * length, length) for c in range(m)}
     shape = tuple(data[(rank, 0)].shape)
     pending = {}  # tag -> (exchange, outputs computed since it was posted)
     outs = {}
@@ -325,13 +413,12 @@ def flash_all_gather_matmul(x_shard: Tensor, weights: Sequence[Tensor] | Tensor,
             pending[step.recv.tag] = (start_exchange(
                 data[step.send.slice], shape, step.send.peer, step.recv.peer, group_name,
                 tag=step.send.tag), [])
-        x = data[step.compute]
-        outs[step.compute] = [_linear(x, w, b) for w, b in zip(weights, biases)]
+        outs[step.compute] = run(data[step.compute], step.compute)
         for _, overlapped in pending.values():
             overlapped.extend(outs[step.compute])
     assert not pending, "flash_ag_steps left an exchange unwaited"
     order = [(j, c) for j in range(n) for c in range(m)]
-    ys = [_cat([outs[s][q] for s in order], d) for q in range(len(weights))]
+    ys = [_cat([outs[s][q] for s in order], out_dim) for q in range(count)]
     gathered = _cat([data[s] for s in order], d) if return_gathered else None
     return gathered, ys
 
@@ -415,24 +502,54 @@ def sliced_all_gather_matmul(x_shard: Tensor, weights: Sequence[Tensor] | Tensor
     weights = _as_list(weights)
     biases = _bias_list(bias, len(weights))
     d = _check_ag(fn, x_shard, weights, gather_dim, chunks, "chunks")
+
+    def compute(x: Tensor) -> list[Tensor]:
+        return [_linear(x, w, b) for w, b in zip(weights, biases)]
+
+    return _sliced_ag(x_shard, d, chunks, group_name, compute, out_dim=d, count=len(weights),
+                      return_gathered=return_gathered)
+
+
+def sliced_all_gather_weight_matmul(w_shard: Tensor, inputs: Sequence[Tensor] | Tensor, *,
+                                    group_name: str, layout: str = "linear", chunks: int = 2,
+                                    bias: Sequence[Tensor | None] | Tensor | None = None,
+                                    return_gathered: bool = False
+                                    ) -> tuple[Tensor | None, list[Tensor]]:
+    """The data-slicing baseline of ``flash_all_gather_weight_matmul``: ``chunks`` async
+    all-gathers of pieces of the weight shard, each piece's output columns computed once its
+    gather is waited for."""
+    xs, biases, d = _check_weight_gather("sliced_all_gather_weight_matmul", w_shard, inputs,
+                                         bias, layout, chunks, "chunks")
+    return _sliced_ag(w_shard, d, chunks, group_name, _weight_compute(xs, biases, layout),
+                      out_dim=-1, count=len(xs), return_gathered=return_gathered,
+                      with_ranges=True)
+
+
+def _sliced_ag(shard: Tensor, d: int, chunks: int, group_name: str, compute, *, out_dim: int,
+               count: int, return_gathered: bool, with_ranges: bool = False
+               ) -> tuple[Tensor | None, list[Tensor]]:
+    """The data-slicing loop shared by the input and the weight gathers (``compute`` as in
+    ``_flash_ag``; a gathered piece holds chunk c of every rank, owner-major)."""
     rank, n = group_rank_and_size(group_name)
     if n == 1:
-        return (x_shard if return_gathered else None,
-                [_linear(x_shard, w, b) for w, b in zip(weights, biases)])
-    length = x_shard.size(d) // chunks
+        return (shard if return_gathered else None,
+                compute(shard, [(0, shard.size(d))]) if with_ranges else compute(shard))
+    length = shard.size(d) // chunks
     started = [
         _c10d().all_gather_into_tensor(
-            x_shard.narrow(d, c * length, length).movedim(d, 0).contiguous(), n, group_name)
+            shard.narrow(d, c * length, length).movedim(d, 0).contiguous(), n, group_name)
         for c in range(chunks)
     ]
-    pieces: list[list[Tensor]] = []  # [chunk] -> gathered piece (N*length along d)
-    outs: list[list[list[Tensor]]] = []  # [chunk][weight] -> per-owner parts
-    for g in started:
+    pieces: list[Tensor] = []  # [chunk] -> gathered piece (N*length along d)
+    outs: list[list[list[Tensor]]] = []  # [chunk][output] -> per-owner parts
+    for c, g in enumerate(started):
         x = _c10d().wait_tensor(g).movedim(0, d)
         pieces.append(x)
-        outs.append([list(_linear(x, w, b).split(length, d)) for w, b in zip(weights, biases)])
-    ys = [_cat([outs[c][q][j] for j in range(n) for c in range(chunks)], d)
-          for q in range(len(weights))]
+        ys = compute(x, [((j * chunks + c) * length, length) for j in range(n)]) \
+            if with_ranges else compute(x)
+        outs.append([list(y.split(length, out_dim)) for y in ys])
+    ys = [_cat([outs[c][q][j] for j in range(n) for c in range(chunks)], out_dim)
+          for q in range(count)]
     gathered = None
     if return_gathered:
         split = [p.split(length, d) for p in pieces]
