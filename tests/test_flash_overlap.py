@@ -399,3 +399,71 @@ def test_three_ranks_with_chunks(tmp_path):
                 else:
                     assert sites["skipped"] == [] and len(sites["rewritten"]) == 2, \
                         (rank, name, graph, sites)
+
+
+def _dynamic_worker(rank, world, init_file, out_dir):
+    """One ``dynamic=True`` compilation run on two sequence lengths, for chunks_per_rank 1
+    (divisible for every size: rewritten) and 2 (only under a guard: left alone)."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    records = {}
+    try:
+        fn, params = funcol_mlp(world)
+        for m in (1, 2):
+            torch._dynamo.reset()
+            reports = []
+            lean = leancompile.backend(compiler="aot_eager", overlap="flash", chunks_per_rank=m)
+
+            def backend(gm, example_inputs, lean=lean, reports=reports):
+                compiled_fn = lean(gm, example_inputs)
+                reports.append(leancompile.last_report())
+                return compiled_fn
+
+            compiled = torch.compile(fn, backend=backend, dynamic=True)
+            diffs = []
+            for seq in (8, 12):
+                torch.manual_seed(100 + rank)
+                x = torch.randn(seq // world, 16, requires_grad=True)
+                outs = []
+                for f in (fn, compiled):
+                    y = f(x)
+                    y.square().sum().backward()
+                    outs.append([y.detach().clone(), x.grad.clone()] + [p.grad.clone()
+                                                                        for p in params])
+                    x.grad = None
+                    for p in params:
+                        p.grad = None
+                diffs.append(_compare(outs[1], outs[0]))
+            records[f"m{m}"] = {
+                "diffs": diffs, "compiles": len(reports),
+                "sites": [{"graph": g.name,
+                           "rewritten": [s.kind for p in g.passes for s in p.rewritten
+                                         if p.name == "flash_overlap"],
+                           "skipped": [s.reason for p in g.passes for s in p.skipped
+                                       if p.name == "flash_overlap"]}
+                          for r in reports for g in r.graphs]}
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(records, f)
+        dist.destroy_process_group()
+
+
+def test_dynamic_shapes_rewrite_when_provable_and_skip_with_the_guard_otherwise(tmp_path):
+    mp.spawn(_dynamic_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+             join=True)
+    for rank in range(2):
+        records = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for m, rec in records.items():
+            # One compilation serves both lengths; values equal eager for both.
+            assert rec["compiles"] == 1, (rank, m, rec)
+            assert max(max(d) for d in rec["diffs"]) <= 1e-5, (rank, m, rec["diffs"])
+            assert sorted(g["graph"].rsplit("_", 1)[-1] for g in rec["sites"]) == [
+                "backward", "forward"], rec["sites"]
+            for graph in rec["sites"]:
+                if m == "m1":  # 2*s rows over 2 ranks: divisible for every s
+                    assert graph["skipped"] == [] and len(graph["rewritten"]) == 2, graph
+                else:          # 2*s over 2 x 2 chunks: only when s is even (a guard)
+                    assert graph["rewritten"] == [] and len(graph["skipped"]) == 2, graph
+                    assert all("cannot be proven divisible by world size 2 x chunks_per_rank "
+                               "2 = 4" in r and "only under the guard Eq(Mod(2*s" in r
+                               for r in graph["skipped"]), graph

@@ -28,8 +28,10 @@ the ring adds the same partials in another order (equal up to float summation or
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import warnings
 
 import torch
 import torch.fx as fx
@@ -69,7 +71,17 @@ def _trace(fn, inputs: list[fx.Node]) -> fx.GraphModule:
     decompositions, like the graph it goes into)."""
     from torch._inductor.pattern_matcher import fwd_only
 
-    return fwd_only(fn, [_val(n) for n in inputs])
+    with _raw_sizes_bound_later():
+        return fwd_only(fn, [_val(n) for n in inputs])
+
+
+@contextlib.contextmanager
+def _raw_sizes_bound_later():
+    """Silence torch's warning about SymInt values in node args while a schedule is traced
+    and copied in: ``_bind_symbolic_sizes`` replaces them by nodes before the pass returns."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Raw SymInt value")
+        yield
 
 
 def _inline(graph: fx.Graph, sub: fx.GraphModule, inputs: list[fx.Node], before: fx.Node):
@@ -77,9 +89,72 @@ def _inline(graph: fx.Graph, sub: fx.GraphModule, inputs: list[fx.Node], before:
     ``inputs``; returns the copied output values (a list)."""
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     val_map = dict(zip(placeholders, inputs))
-    with graph.inserting_before(before):
+    with graph.inserting_before(before), _raw_sizes_bound_later():
         out = graph.graph_copy(sub.graph, val_map)
     return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _bind_symbolic_sizes(graph: fx.Graph) -> int:
+    """Replace the SymInts a traced schedule closed over (sizes read from ``meta["val"]`` of
+    the original graph, e.g. ``4*s77``) by nodes that compute them from the graph's inputs;
+    returns how many args it replaced.
+
+    A graph may only name a size through a node (a SymInt placeholder, ``sym_size``); a raw
+    SymInt in a node's args prints as its symbol (``s77``) and fails when the graph runs.
+    Each symbol is bound to a SymInt placeholder holding it or, failing that, to
+    ``aten.sym_size.int`` of a tensor placeholder with it as a dim; compound expressions are
+    built from those with Python arithmetic (``torch.utils._sympy.interp.sympy_interp``).
+    """
+    from torch.fx.node import map_aggregate
+    from torch.utils._sympy.interp import sympy_interp
+    from torch.utils._sympy.reference import PythonReferenceAnalysis
+
+    tracer = fx.proxy.GraphAppendingTracer(graph)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    env: dict = {}
+    for node in placeholders:
+        val = _val(node)
+        if isinstance(val, torch.SymInt) and val.node.expr.is_Symbol:
+            env.setdefault(val.node.expr, fx.Proxy(node, tracer))
+
+    def from_tensor_dim(symbol):
+        for node in placeholders:
+            val = _val(node)
+            if not isinstance(val, torch.Tensor):
+                continue
+            for dim, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr == symbol:
+                    with graph.inserting_after(placeholders[-1]):
+                        bound = graph.call_function(aten.sym_size.int, (node, dim))
+                    bound.meta["val"] = size
+                    env[symbol] = fx.Proxy(bound, tracer)
+                    return env[symbol]
+        raise _Unsupported(f"no graph input holds the size symbol {symbol}")
+
+    replaced = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+
+        def bind(arg, node=node):
+            nonlocal replaced
+            if not isinstance(arg, torch.SymInt):
+                return arg
+            expr = arg.node.expr
+            if expr.is_number:
+                return int(expr)
+            replaced += 1
+            with graph.inserting_before(node):
+                value = sympy_interp(PythonReferenceAnalysis, env, expr,
+                                     missing_handler=from_tensor_dim)
+            if isinstance(value, fx.Proxy):
+                value.node.meta.setdefault("val", arg)
+                return value.node
+            return value
+
+        node.args = map_aggregate(node.args, bind)
+        node.kwargs = map_aggregate(node.kwargs, bind)
+    return replaced
 
 
 def _hoist(node: fx.Node, anchor: fx.Node, order: dict) -> None:
@@ -236,7 +311,7 @@ def _inline_all_gather(graph: fx.Graph, match: AllGatherMatch, uses, inputs, sch
     sub = _trace(lambda *args: _flat(schedule(*args, keep=keep)), inputs)
     outs = _inline(graph, sub, inputs, late[0] if late else anchor)
     ys = outs[:len(uses)]
-    with graph.inserting_before(anchor):
+    with graph.inserting_before(anchor), _raw_sizes_bound_later():
         for use, y in zip(uses, ys):
             flat = graph.call_function(aten.reshape.default, (y, list(_val(use.node).shape)))
             flat.meta["val"] = _val(use.node)
@@ -368,6 +443,7 @@ def flash_overlap_pass(gm: fx.GraphModule, options=None) -> PassResult:
         rewrite_reduce_scatter(gm, match, chunks_per_rank=m, variant=options.variant,
                                overlap=overlap, chunks=options.chunks, result=result)
     if result.rewritten:
+        _bind_symbolic_sizes(graph)
         graph.lint()
         gm.recompile()
     elif collectives:
