@@ -461,3 +461,35 @@ def test_dynamic_shapes_odd_traced_size_is_skipped_not_guarded(group):
     assert ags == [] and reason.startswith("symbolic size 4*s")
     assert "of gather dim 1 (= 12 for the traced shapes) is not divisible by world size 4 x " \
            "chunks_per_rank 2 = 8" in reason
+
+
+def test_pass_adds_the_guard_in_a_forward_graph_and_skips_in_a_backward_one(group):
+    """The rewrite, not only the matcher: with chunks_per_rank=2 the forward's site is
+    rewritten after adding its guard to the shape environment; the backward graph adds no
+    guard (here the forward ran without the pass, so nothing proves it): skipped, reason."""
+    from leancompile.options import CompileOptions
+    from leancompile.passes.flash_overlap import flash_overlap_pass
+
+    def f(x, w):
+        return funcol.all_gather_single(x, 1, group) @ w
+
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    fw, bw = compile_graphs(f, x, torch.randn(16, 8, requires_grad=True), dynamic=True)
+    options = CompileOptions(compiler="aot_eager", overlap="flash", chunks_per_rank=2)
+    [ag] = [n for n in fw.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    shape_env = ag.args[0].meta["val"].fake_mode.shape_env
+    before = len(shape_env.guards)
+
+    result = flash_overlap_pass(bw, options)
+    assert result.rewritten == [] and len(shape_env.guards) == before
+    [skip] = result.skipped
+    assert "only under the guard Eq(Mod(4*s" in skip.reason and "which is not added here" in \
+        skip.reason, skip.reason
+
+    result = flash_overlap_pass(fw, options)
+    assert [s.kind for s in result.rewritten] == [AG_SITE] and result.skipped == []
+    # The divisibility guard first; tracing the schedule over symbolic sizes adds the usual
+    # size guards of narrow/cat/reshape (e.g. that a chunk is not of length 1).
+    seq = next(iter(shape_env.guards[before].expr.free_symbols))
+    assert str(shape_env.guards[before].expr) == f"Eq(Mod(4*{seq}, 8), 0)"
+    assert c10d.all_gather_into_tensor.default not in [n.target for n in fw.graph.nodes]

@@ -34,11 +34,13 @@ def check_agreement(results, policy, config, reference=None):
         assert result.schedule == name
     # Retain runs the training forward graph at selected steps where the baseline runs the
     # inference graph; Reweight runs selected steps one sample at a time (one gradient buffer
-    # each). Both can round differently in the last bit.
+    # each). Both can round differently in the last bit, and the difference is carried through
+    # the later denoising steps: on an AMD EPYC (AVX-512) machine the tiny Wan rollout with CFG
+    # differed by 1.3e-6 in one of 4096 elements (latents of magnitude ~1).
     torch.testing.assert_close(results["retain"].rollout.latents, base.rollout.latents,
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results["reweight"].rollout.latents, base.rollout.latents,
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-5)
     eager = eager_grpo_gradients(policy, base.rollout, sde=config.sde, eta=config.eta,
                                  beta=config.beta, reference=reference)
     cos, rel = agreement(base.grads, eager)

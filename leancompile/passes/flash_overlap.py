@@ -7,23 +7,43 @@ the result with its reason). Each rewrite traces the runtime schedule of this ra
 matmul is a node: visible in ``explain``, kept by dead-code elimination, left where it is by
 Inductor's own collective reordering.
 
-All-gather + matmul (column-parallel), rank r of N::
+Input all-gather + matmul (column-parallel, sequence-parallel input), rank r of N::
 
     before:  g = wait(all_gather(x_r)); y = mm(reshape(g), W)
     after:   y_r = mm(x_r, W); h0 = p2p_start(x_r -> r+1, <- r-1); ...
-             x_{r-1} = p2p_wait(h0); y_{r-1} = mm(x_{r-1}, W); ...; y = cat(...)
+             x_{r-1} = p2p_wait(h0); y_{r-1} = mm(x_{r-1}, W); ...; y = cat(rows)
 
-Matmul + reduce-scatter (row-parallel)::
+Weight all-gather + matmul (FSDP-style parameter gather: the gathered rows of an (out, in)
+weight are the output's columns)::
+
+    before:  w = wait(all_gather(w_r)); y = mm(x, t(view(w)))
+    after:   y_r = mm(x, t(w_r)); h0 = p2p_start(w_r -> r+1, <- r-1); ...
+             w_{r-1} = p2p_wait(h0); y_{r-1} = mm(x, t(w_{r-1})); ...; y = cat(columns)
+
+Matmul + reduce-scatter (row-parallel output; or the weight gradient ``dW = mm(t(dY), X)`` of
+an FSDP-style parameter, DTensor's ``t(t(.))`` between, scattered on its rows)::
 
     before:  out = wait(reduce_scatter(reshape(mm(h, W)), "sum"))
     after:   acc = mm(h[slice r-1], W); h0 = p2p_start(acc -> r+1, <- r-1); ...
              out = p2p_wait(h_last) + mm(h[slice r], W)
 
 Why it is legal: an all-gather followed by a matmul that slices the gathered dim (rows of the
-output) computes each output slice from one input slice, in any order; the schedule computes
-the same slices with the same matmul on the same rows (bitwise for all-gather sites). A
-reduce-scatter of a matmul is the sum over ranks of each rank's partial for each output slice;
-the ring adds the same partials in another order (equal up to float summation order).
+output for an input gather, columns for a weight gather) computes each output slice from one
+gathered slice, in any order; the schedule computes the same slices with the same matmul on
+the same data (bitwise for input gathers; a weight gather's narrower matmul may block the
+columns differently in BLAS: float tolerance). A reduce-scatter of a matmul is the sum over
+ranks of each rank's partial for each output slice; the ring adds the same partials in
+another order (equal up to float summation order).
+
+Dynamic shapes: divisibility by ``N * chunks_per_rank`` is decided on the symbolic sizes by the
+matcher. A site divisible only under a guard is rewritten in a forward (or inference) graph
+after the guard is added to the shape environment (Dynamo makes it a guard of the compiled
+region: sizes that fail it recompile, and the recompiled graph keeps the collective). A
+backward graph adds no guard; the forward's guard usually proves its sites, the others are
+skipped with the guard in the reason. Sizes the traced schedule closes over become nodes
+(``_bind_symbolic_sizes``), as the graph must compute every symbolic size from its inputs.
+Tracing a schedule over symbolic sizes also adds torch's usual size guards for narrow, cat and
+reshape (such as "a chunk is not of length 1"): a recompile for such sizes, not a wrong result.
 """
 
 from __future__ import annotations
@@ -37,7 +57,8 @@ import torch
 import torch.fx as fx
 
 from .flash_overlap_match import (AG_SITE, RS_SITE, AllGatherMatch, ReduceScatterMatch,
-                                  find_all_gather_matches, find_reduce_scatter_matches)
+                                  find_all_gather_matches, find_reduce_scatter_matches,
+                                  is_backward_graph)
 from .result import PassResult
 
 __all__ = ["flash_overlap_pass", "rewrite_all_gather", "rewrite_reduce_scatter", "NAME",
@@ -46,7 +67,7 @@ __all__ = ["flash_overlap_pass", "rewrite_all_gather", "rewrite_reduce_scatter",
 log = logging.getLogger("leancompile")
 
 NAME = "flash_overlap"
-VERSION = 1
+VERSION = 2
 
 aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -415,6 +436,16 @@ def _describe_via(via) -> str:
     return ", ".join(f"{n.target}" for n in via) or "nothing"
 
 
+def _add_guard(condition, node: fx.Node) -> None:
+    """Add ``condition`` (a sympy boolean true for the traced sizes, or None) as a guard of the
+    shape environment of ``node``'s fake value."""
+    if condition is None:
+        return
+    shape_env = _val(node).fake_mode.shape_env
+    if not shape_env.evaluate_expr(condition):
+        raise AssertionError(f"the guard {condition} is false for the traced sizes")
+
+
 def flash_overlap_pass(gm: fx.GraphModule, options=None) -> PassResult:
     """Rewrite every matched site for ``options.overlap`` (``"flash"`` or ``"slice"``); off
     (and reporting nothing) when ``options.overlap`` is None."""
@@ -433,13 +464,19 @@ def flash_overlap_pass(gm: fx.GraphModule, options=None) -> PassResult:
         if node.target not in handled:
             result.skip(node, "collective", f"{node.target} is not an all-gather or a "
                         "reduce-scatter; FlashOverlap leaves it to the backend")
-    # Guards are not installed by this version: the matcher itself skips sites whose
-    # divisibility holds only under a guard, with the guard expression in the reason.
-    for match in find_all_gather_matches(graph, result, divisor=divisor, allow_guards=False):
+    # Dynamic shapes: a site divisible only under a guard (4*s by 8 needs s even) is rewritten
+    # in a forward or inference graph after adding the guard to the shape environment (Dynamo
+    # turns it into a guard of the compiled region: other sizes recompile). A backward graph
+    # adds none; the forward's guard usually proves its sites, and the others are skipped.
+    allow_guards = not is_backward_graph(graph)
+    for match in find_all_gather_matches(graph, result, divisor=divisor,
+                                         allow_guards=allow_guards):
+        _add_guard(match.needs_guard, match.shard)
         rewrite_all_gather(gm, match, chunks_per_rank=m, overlap=overlap,
                            chunks=options.chunks, result=result)
     for match in find_reduce_scatter_matches(graph, result, divisor=divisor,
-                                             allow_guards=False):
+                                             allow_guards=allow_guards):
+        _add_guard(match.needs_guard, match.matmul)
         rewrite_reduce_scatter(gm, match, chunks_per_rank=m, variant=options.variant,
                                overlap=overlap, chunks=options.chunks, result=result)
     if result.rewritten:

@@ -70,7 +70,8 @@ holds when ``s27`` is even), the match carries ``needs_guard``: the sympy condit
 first: ``shape_env.evaluate_expr(match.needs_guard)`` adds it to the shape environment, whose
 guards Dynamo turns into the compiled region's guards after the backend returns (AOTAutograd
 compiles the forward and the backward graph before that).
-``allow_guards=False`` skips such sites instead, naming the symbol and the guard. A symbolic size
+``allow_guards=False`` skips such sites instead, naming the symbol and the guard (the
+FlashOverlap pass allows guards in forward and inference graphs, not in backward graphs). A symbolic size
 that is false for the traced sizes, or has no hint (data-dependent), is skipped.
 
 Skip reasons (the site is the collective node; kinds ``"all_gather+mm"`` and
@@ -83,7 +84,8 @@ Skip reasons (the site is the collective node; kinds ``"all_gather+mm"`` and
 - ``reduce op 'avg' is not supported (sum only)``
 - ``uneven shards: gather dim 1 holds 30 elements over 4 ranks ...; pad ... to 32``
   (DTensor pads the last shard and trims the gathered tensor / pads the reduce-scatter input)
-- ``consumer aten.relu.default at relu is not a matmul (mm/addmm)`` (no matmul reads it)
+- ``consumer aten.relu.default at relu is not a matmul (mm/addmm)`` (no matmul reads it);
+  ``the gathered tensor is only the bias of addmm ...`` (an FSDP-style bias gather)
 - ``operand B of mm_1 also depends on the gathered tensor (through ...)``: the matmul cannot
   start before the gather completes
 - ``the gathered tensor has other users (aten.add.Tensor at add_3)``: only with
@@ -124,6 +126,7 @@ __all__ = [
     "ReduceScatterMatch",
     "find_all_gather_matches",
     "find_reduce_scatter_matches",
+    "is_backward_graph",
 ]
 
 AG_SITE = "all_gather+mm"
@@ -504,7 +507,7 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
 
     needs_guard = _divisible(shape[scatter_dim], group_size, divisor,
                              f"scatter dim {scatter_dim}", allow_guards)
-    weight_grad = _is_backward(rs.graph) and _is_transpose(_operand(matmul, "A"))
+    weight_grad = is_backward_graph(rs.graph) and _is_transpose(_operand(matmul, "A"))
     return ReduceScatterMatch(
         kind="rs_weight_grad" if weight_grad else "rs_output", matmul=matmul, dim=dim, via=via,
         reduced=reduced, reassembly=reassembly, reduce_scatter=rs, wait=wait,
@@ -610,8 +613,9 @@ def _divisible(size, n: int, m: int, what: str, allow_guards: bool):
                     + (fix if m > 1 else ""))
     if not allow_guards:
         raise _Skip(f"symbolic size {size} of {what} cannot be proven divisible by {by}: true "
-                    f"for the traced shapes (= {hint}) only under the guard {expr}; mark the "
-                    "dim static or allow guards" + (fix if m > 1 else ""))
+                    f"for the traced shapes (= {hint}) only under the guard {expr}, which is "
+                    "not added here (guards are added while compiling a forward graph, not a "
+                    "backward one); mark the dim static" + (fix if m > 1 else ""))
     return expr
 
 
@@ -789,7 +793,8 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _is_backward(graph: fx.Graph) -> bool:
+def is_backward_graph(graph: fx.Graph) -> bool:
+    """True for an AOTAutograd backward graph (it has ``tangents`` inputs)."""
     return any(n.op == "placeholder" and str(n.target).startswith("tangents") for n in graph.nodes)
 
 

@@ -1,13 +1,17 @@
 """FlashOverlap schedules on one rank: a collective next to a matmul, decomposed into P2P steps.
 
 Each function is plain eager code over tensors (torch ops and the P2P ops of ``p2p.py``), with
-Python control flow over static ints only, so the graph rewrite can trace it into a graph; the
-rank is baked in. For a group of N ranks, rank r (slices named by the rank that owns them, cut
+Python control flow over ints only (sizes, ranks), so the graph rewrite can trace it into a
+graph; the rank is baked in, and with symbolic sizes a size test becomes a guard. For a group of N ranks, rank r (slices named by the rank that owns them, cut
 into m chunks each with ``chunks_per_rank=m``)::
 
     flash_all_gather_matmul      Y_j = all_gather(x) @ W_j for every weight; step 0 computes the
                                  own slice and posts it to r+1; step i computes the slice that
                                  came from r-1 while it moves on; the last step sends nothing.
+    flash_all_gather_weight_matmul
+                                 Y_j = X_j @ all_gather(w).T (FSDP-style: the weight is the
+                                 gathered one); the same steps, each computing the output
+                                 columns of the weight rows it holds.
     flash_matmul_reduce_scatter  reduce_scatter(h @ w); "ring": partial sums travel r -> r+1 and
                                  grow one partial per hop, the own slice is computed last, one
                                  add exposed; "direct": each partial goes straight to its owner,
@@ -17,10 +21,13 @@ into m chunks each with ``chunks_per_rank=m``)::
 The step lists (``flash_ag_steps``, ``flash_rs_steps``) drive the schedules, so what a test or
 ``explain`` reads is what runs. Reference: ../shared/docs/flashoverlap.md, section 2.
 
-Numerics: all-gather schedules run the same mm/addmm on the same rows of X as the
+Numerics: input all-gather schedules run the same mm/addmm on the same rows of X as the
 collective-then-matmul graph, one call per slice instead of one for all rows; on this project's
 CPU machines (torch 2.13) that is bitwise equal in float32 and float64, which the tests assert (a
-BLAS whose result for a row depended on the number of rows would break it). Reduce-scatter
+BLAS whose result for a row depended on the number of rows would break it). Weight all-gather
+schedules compute a few output columns per call: the BLAS may block those differently from the
+full matmul (measured here: bitwise for most shapes, 2e-6 max abs diff in float32 for 8 columns
+of 32), so they agree within float tolerance, and bitwise for integer-valued data. Reduce-scatter
 schedules sum the N partials in another order than the backend's reduce-scatter (ring: received
 sum + own partial; direct: rank order), and scattering the last dim slices the columns of ``w``,
 which changes the mm's blocking: float32 results agree within rtol=1e-5, atol=1e-5 (measured
