@@ -115,10 +115,9 @@ def _inline(graph: fx.Graph, sub: fx.GraphModule, inputs: list[fx.Node], before:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def _bind_symbolic_sizes(graph: fx.Graph) -> int:
+def _bind_symbolic_sizes(graph: fx.Graph) -> None:
     """Replace the SymInts a traced schedule closed over (sizes read from ``meta["val"]`` of
-    the original graph, e.g. ``4*s77``) by nodes that compute them from the graph's inputs;
-    returns how many args it replaced.
+    the original graph, e.g. ``4*s77``) by nodes that compute them from the graph's inputs.
 
     A graph may only name a size through a node (a SymInt placeholder, ``sym_size``); a raw
     SymInt in a node's args prints as its symbol (``s77``) and fails when the graph runs.
@@ -152,19 +151,16 @@ def _bind_symbolic_sizes(graph: fx.Graph) -> int:
                     return env[symbol]
         raise _Unsupported(f"no graph input holds the size symbol {symbol}")
 
-    replaced = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
 
         def bind(arg, node=node):
-            nonlocal replaced
             if not isinstance(arg, torch.SymInt):
                 return arg
             expr = arg.node.expr
             if expr.is_number:
                 return int(expr)
-            replaced += 1
             with graph.inserting_before(node):
                 value = sympy_interp(PythonReferenceAnalysis, env, expr,
                                      missing_handler=from_tensor_dim)
@@ -175,7 +171,6 @@ def _bind_symbolic_sizes(graph: fx.Graph) -> int:
 
         node.args = map_aggregate(node.args, bind)
         node.kwargs = map_aggregate(node.kwargs, bind)
-    return replaced
 
 
 def _hoist(node: fx.Node, anchor: fx.Node, order: dict) -> None:
@@ -250,16 +245,9 @@ def _input_gather_plan(match: AllGatherMatch, m: int, overlap: str, chunks: int)
                                "plain flatten of the leading dims (reshape only)")
     weights = [_operands(u.node)[2] for u in uses]
     biases = [_operands(u.node)[0] for u in uses]
-    group, gather_dim = match.group_name, match.gather_dim
-
-    def schedule(shard, *rest, keep):
-        ws, bs = _unpack(rest, len(weights), biases)
-        if overlap == "slice":
-            return sliced_all_gather_matmul(shard, ws, group_name=group, gather_dim=gather_dim,
-                                            chunks=chunks, bias=bs, return_gathered=keep)
-        return flash_all_gather_matmul(shard, ws, group_name=group, gather_dim=gather_dim,
-                                       chunks_per_rank=m, bias=bs, return_gathered=keep)
-
+    fn = sliced_all_gather_matmul if overlap == "slice" else flash_all_gather_matmul
+    schedule = _gather_schedule(fn, biases, overlap, m, chunks, group_name=match.group_name,
+                                gather_dim=match.gather_dim)
     return uses, [match.shard, *weights, *(b for b in biases if b is not None)], schedule
 
 
@@ -281,24 +269,26 @@ def _weight_gather_plan(match: AllGatherMatch, m: int, overlap: str, chunks: int
     layout = "linear" if match.gather_dim == 0 else "kn"
     xs = [_operands(u.node)[1] for u in uses]
     biases = [_operands(u.node)[0] for u in uses]
-    group = match.group_name
-
-    def schedule(shard, *rest, keep):
-        a, bs = _unpack(rest, len(xs), biases)
-        if overlap == "slice":
-            return sliced_all_gather_weight_matmul(shard, a, group_name=group, layout=layout,
-                                                   chunks=chunks, bias=bs, return_gathered=keep)
-        return flash_all_gather_weight_matmul(shard, a, group_name=group, layout=layout,
-                                              chunks_per_rank=m, bias=bs, return_gathered=keep)
-
+    fn = (sliced_all_gather_weight_matmul if overlap == "slice" else
+          flash_all_gather_weight_matmul)
+    schedule = _gather_schedule(fn, biases, overlap, m, chunks, group_name=match.group_name,
+                                layout=layout)
     return uses, [match.shard, *xs, *(b for b in biases if b is not None)], schedule
 
 
-def _unpack(rest, count: int, biases: list) -> tuple[list, list]:
-    """Split a schedule's trailing inputs into ``count`` matmul operands and the biases (None
-    where the original matmul had none)."""
-    it = iter(rest[count:])
-    return list(rest[:count]), [next(it) if b is not None else None for b in biases]
+def _gather_schedule(fn, biases: list, overlap: str, m: int, chunks: int, **fixed):
+    """``schedule(shard, *operands, *biases present, keep)`` calling the runtime schedule
+    ``fn`` with one matmul operand per entry of ``biases`` (None where the matmul had none)
+    and ``chunks`` (slice) or ``chunks_per_rank`` (flash)."""
+    count = len(biases)
+    pieces = {"chunks": chunks} if overlap == "slice" else {"chunks_per_rank": m}
+
+    def schedule(shard, *rest, keep):
+        present = iter(rest[count:])
+        bs = [next(present) if b is not None else None for b in biases]
+        return fn(shard, list(rest[:count]), bias=bs, return_gathered=keep, **pieces, **fixed)
+
+    return schedule
 
 
 def _inline_all_gather(graph: fx.Graph, match: AllGatherMatch, uses, inputs, schedule) -> None:
@@ -405,9 +395,6 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
     if tuple(_val(match.wait).shape) != tuple(expected):
         result.skip(site, RS_SITE, f"the reduce-scatter result has shape "
                     f"{tuple(_val(match.wait).shape)}, not the scattered {tuple(expected)}")
-        return False
-    if any(len(n.users) > 1 for n in (match.matmul, *match.via)):
-        result.skip(site, RS_SITE, "the matmul result has other readers")
         return False
     in_shape = list(reduced_shape[:-1]) + [_val(a).shape[-1]]
     group, dim, m = match.group_name, match.scatter_dim, chunks_per_rank

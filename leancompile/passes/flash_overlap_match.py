@@ -71,8 +71,8 @@ first: ``shape_env.evaluate_expr(match.needs_guard)`` adds it to the shape envir
 guards Dynamo turns into the compiled region's guards after the backend returns (AOTAutograd
 compiles the forward and the backward graph before that).
 ``allow_guards=False`` skips such sites instead, naming the symbol and the guard (the
-FlashOverlap pass allows guards in forward and inference graphs, not in backward graphs). A symbolic size
-that is false for the traced sizes, or has no hint (data-dependent), is skipped.
+FlashOverlap pass allows guards in forward and inference graphs, not in backward graphs). A
+symbolic size that is false for the traced sizes, or has no hint (data-dependent), is skipped.
 
 Skip reasons (the site is the collective node; kinds ``"all_gather+mm"`` and
 ``"mm+reduce_scatter"``):

@@ -2,8 +2,9 @@
 
 Each function is plain eager code over tensors (torch ops and the P2P ops of ``p2p.py``), with
 Python control flow over ints only (sizes, ranks), so the graph rewrite can trace it into a
-graph; the rank is baked in, and with symbolic sizes a size test becomes a guard. For a group of N ranks, rank r (slices named by the rank that owns them, cut
-into m chunks each with ``chunks_per_rank=m``)::
+graph; the rank is baked in, and with symbolic sizes a size test becomes a guard. For a group
+of N ranks, rank r (slices named by the rank that owns them, cut into m chunks each with
+``chunks_per_rank=m``)::
 
     flash_all_gather_matmul      Y_j = all_gather(x) @ W_j for every weight; step 0 computes the
                                  own slice and posts it to r+1; step i computes the slice that
@@ -321,12 +322,8 @@ def flash_all_gather_matmul(x_shard: Tensor, weights: Sequence[Tensor] | Tensor,
     weights = _as_list(weights)
     biases = _bias_list(bias, len(weights))
     d = _check_ag(fn, x_shard, weights, gather_dim, chunks_per_rank, "chunks_per_rank")
-
-    def compute(x: Tensor) -> list[Tensor]:
-        return [_linear(x, w, b) for w, b in zip(weights, biases)]
-
-    return _flash_ag(x_shard, d, chunks_per_rank, group_name, compute, out_dim=d,
-                     count=len(weights), return_gathered=return_gathered)
+    return _flash_ag(x_shard, d, chunks_per_rank, group_name, _input_compute(weights, biases),
+                     out_dim=d, count=len(weights), return_gathered=return_gathered)
 
 
 def flash_all_gather_weight_matmul(w_shard: Tensor, inputs: Sequence[Tensor] | Tensor, *,
@@ -377,6 +374,15 @@ def _check_weight_gather(fn: str, w_shard: Tensor, inputs, bias, layout: str, pi
     _check_positive(pieces_name, pieces)
     _check_divisible(fn, "w_shard", w_shard.size(d), d, pieces, pieces_name)
     return xs, biases, d
+
+
+def _input_compute(weights: list[Tensor], biases: list[Tensor | None]):
+    """compute(piece) for input gathers: the gathered rows in ``piece`` times every weight."""
+
+    def compute(x: Tensor) -> list[Tensor]:
+        return [_linear(x, w, b) for w, b in zip(weights, biases)]
+
+    return compute
 
 
 def _weight_compute(xs: list[Tensor], biases: list[Tensor | None], layout: str):
@@ -509,12 +515,8 @@ def sliced_all_gather_matmul(x_shard: Tensor, weights: Sequence[Tensor] | Tensor
     weights = _as_list(weights)
     biases = _bias_list(bias, len(weights))
     d = _check_ag(fn, x_shard, weights, gather_dim, chunks, "chunks")
-
-    def compute(x: Tensor) -> list[Tensor]:
-        return [_linear(x, w, b) for w, b in zip(weights, biases)]
-
-    return _sliced_ag(x_shard, d, chunks, group_name, compute, out_dim=d, count=len(weights),
-                      return_gathered=return_gathered)
+    return _sliced_ag(x_shard, d, chunks, group_name, _input_compute(weights, biases),
+                      out_dim=d, count=len(weights), return_gathered=return_gathered)
 
 
 def sliced_all_gather_weight_matmul(w_shard: Tensor, inputs: Sequence[Tensor] | Tensor, *,
