@@ -3,7 +3,9 @@
 Entry points: ``backend(**options)`` (a torch.compile backend, also registered as
 ``"leancompile"``), ``lean_compile`` (decorator), ``install(**options)`` (hook into a trainer
 that already compiles), and ``explain(fn, *args)`` / ``last_report()`` to see what the passes
-did. Importing this package changes no torch config and no environment variable.
+did. Importing this package changes no torch config and no environment variable; it registers
+the ``leancompile::`` ops of ``runtime/p2p.py``, so a graph Inductor serves from its cache (with
+no pass run in this process) finds the P2P ops it calls.
 """
 
 from .compiler import (Installation, LeanGraphPass, __version__, backend, install,
@@ -12,6 +14,7 @@ from .explain import explain
 from .graphs.report import GraphRecord, Report, last_report
 from .options import CompileOptions
 from .passes import PassResult, Site, pass_names
+from .runtime import p2p as _p2p  # noqa: F401  (registers the leancompile:: ops)
 
 __all__ = [
     "backend", "lean_compile", "install", "Installation", "explain", "last_report", "Report",

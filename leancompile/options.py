@@ -12,6 +12,7 @@ COMPILERS = ("inductor", "aot_eager")
 _OVERLAP_VALUES: tuple = (None, "flash", "slice")
 _VARIANTS = ("ring", "direct")
 _SCHEDULE_VALUES: tuple = (None,)
+_ON_ERROR_VALUES = ("skip", "raise")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +44,12 @@ class CompileOptions:
     chunks: int = 2
     """Slice: chunks of the data-slicing baseline."""
 
+    on_error: str = "skip"
+    """What a pass does when rewriting a site raises: ``"skip"`` leaves that site as it was,
+    reports it skipped with the exception and warns (the compile goes on); ``"raise"``
+    propagates the exception (for debugging; the test suite sets ``LEANCOMPILE_ON_ERROR=raise``,
+    which has the same effect)."""
+
     schedule: str | None = None
     """LeanGRPO schedule for policy steps. Not a compile option in this version: use
     ``leancompile.grpo.GRPOTrainer``."""
@@ -72,6 +79,9 @@ class CompileOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.on_error not in _ON_ERROR_VALUES:
+            raise ValueError(f"on_error={self.on_error!r} is not supported; use one of "
+                             f"{_ON_ERROR_VALUES}")
         if self.schedule not in _SCHEDULE_VALUES:
             raise ValueError(
                 f"schedule={self.schedule!r} is not a compile option in this version: LeanGRPO "
@@ -92,4 +102,4 @@ class CompileOptions:
         return {"compiler": self.compiler, "disable": sorted(self.disable),
                 "overlap": self.overlap, "variant": self.variant,
                 "chunks_per_rank": self.chunks_per_rank, "chunks": self.chunks,
-                "schedule": self.schedule}
+                "on_error": self.on_error, "schedule": self.schedule}

@@ -1,17 +1,22 @@
-"""Canonicalisation: one spelling for reshapes, and dead code dropped, before any matcher runs.
+"""Canonicalisation: one spelling for reshapes, no no-op slices, and dead code dropped, before
+any matcher runs.
 
 Post-grad graphs spell "the same tensor with another shape" three ways (``aten.view``,
-``aten._unsafe_view``, ``aten.reshape``) and keep nodes whose results nobody reads. Matchers in
-later passes (FlashOverlap's ``all_gather -> reshape -> mm``) then need one case per spelling and
-trip over dead users. This pass rewrites the graph so that matchers see ``aten.reshape.default``
-only and every node has a reader or a side effect.
+``aten._unsafe_view``, ``aten.reshape``), keep slices that take a whole dim (DTensor's trim of an
+evenly sharded gather, ``x[:, :s]`` with ``s`` the full size) and keep nodes whose results nobody
+reads. Matchers in later passes (FlashOverlap's ``all_gather -> reshape -> mm``) then need one
+case per spelling and trip over dead users. This pass rewrites the graph so that matchers see
+``aten.reshape.default`` only, no slice of a whole dim, and every node has a reader or a side
+effect. (Under Inductor its joint-graph passes already drop no-op slices; ``aot_eager`` runs no
+such pass, so without this the two compilers would show the matchers different graphs.)
 
 Before::
 
     mm = aten.mm(x, w)
     v = aten._unsafe_view(mm, [2, 8, 16])
     unused = aten.relu(v)              # nobody reads it
-    out = aten.view(v, [16, 16])
+    s = aten.slice(v, 1, 0, 8)         # all 8 rows of dim 1
+    out = aten.view(s, [16, 16])
 
 After::
 
@@ -23,7 +28,10 @@ Why it is legal: ``view`` only exists where the input is viewable, and there ``r
 the same view, so values, strides and aliasing are unchanged. ``_unsafe_view`` promises that its
 result does not alias its input; ``reshape`` may alias, so it is rewritten only where nobody else
 can observe the difference: the input is an intermediate (not a graph input or output) read by
-this node alone. Dead nodes are dropped only when they are pure: collectives, mutations and
+this node alone. A slice with step 1 from 0 to at least the size of its dim (proven on the
+symbolic sizes, no guard added) is its input with the same shape and strides; it is replaced by
+its input except where it is a graph output (AOTAutograd recorded the output as a view).
+Dead nodes are dropped only when they are pure: collectives, mutations and
 random ops (which advance the generator) stay, and are reported as skipped with that reason.
 """
 
@@ -36,9 +44,10 @@ import torch.fx as fx
 
 from .result import PassResult
 
-__all__ = ["canonicalize_pass", "find_reshape_matches", "find_dead_code_matches", "VERSION"]
+__all__ = ["canonicalize_pass", "find_reshape_matches", "find_noop_slice_matches",
+           "find_dead_code_matches", "VERSION"]
 
-VERSION = 1
+VERSION = 2
 NAME = "canonicalize"
 
 aten = torch.ops.aten
@@ -81,6 +90,61 @@ def find_reshape_matches(graph: fx.Graph, result: PassResult) -> list[_ReshapeMa
                 continue
         matches.append(_ReshapeMatch(node=node))
     return matches
+
+
+@dataclass(frozen=True, kw_only=True)
+class _NoopSliceMatch:
+    node: fx.Node
+
+
+def _whole_dim(node: fx.Node) -> bool:
+    """``slice(x, dim, start, end, step)`` covering all of ``dim``."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    args = list(node.args) + [None] * (5 - len(node.args))
+    x, dim, start, end, step = args[:5]
+    dim = node.kwargs.get("dim", dim if dim is not None else 0)
+    start = node.kwargs.get("start", start if start is not None else 0)
+    end = node.kwargs.get("end", end)
+    step = node.kwargs.get("step", step if step is not None else 1)
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or step != 1 or isinstance(start, fx.Node) or start != 0:
+        return False
+    size = val.shape[dim]
+    if end is None:
+        return True
+    if isinstance(end, fx.Node):
+        end = end.meta.get("val")
+    if not isinstance(end, (int, torch.SymInt)):
+        return False
+    try:
+        return bool(statically_known_true(end >= size))
+    except Exception:  # noqa: BLE001 - not provable: not a no-op
+        return False
+
+
+def find_noop_slice_matches(graph: fx.Graph, result: PassResult) -> list[_NoopSliceMatch]:
+    """Every ``aten.slice`` that takes a whole dim and can be dropped; those that are graph
+    outputs go to ``result``."""
+    matches = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.slice.Tensor:
+            continue
+        if not _whole_dim(node):
+            continue
+        if _is_graph_output(node):
+            result.skip(node, "no-op slice", "the slice is a graph output; AOTAutograd "
+                        "recorded it as a view of its input")
+            continue
+        matches.append(_NoopSliceMatch(node=node))
+    return matches
+
+
+def rewrite_noop_slice(match: _NoopSliceMatch) -> None:
+    """``slice(x, d, 0, >= size)`` -> ``x``: its readers read the input."""
+    node = match.node
+    node.replace_all_uses_with(node.args[0])
+    node.graph.erase_node(node)
 
 
 def rewrite_reshape(match: _ReshapeMatch) -> None:
@@ -135,12 +199,16 @@ def rewrite_dead_code(match: _DeadMatch) -> None:
 
 
 def canonicalize_pass(gm: fx.GraphModule, options=None) -> PassResult:
-    """Rewrite views to ``aten.reshape`` and drop dead pure nodes; see the module docstring.
+    """Rewrite views to ``aten.reshape``, drop no-op slices and dead pure nodes; see the module
+    docstring.
     Takes no options (``options`` is the pipeline's ``CompileOptions``, unused here)."""
     result = PassResult(name=NAME)
     for match in find_dead_code_matches(gm.graph, result):
         rewrite_dead_code(match)
         result.rewrite(match.node, "dead code")
+    for match in find_noop_slice_matches(gm.graph, result):
+        result.rewrite(match.node, "no-op slice")
+        rewrite_noop_slice(match)
     for match in find_reshape_matches(gm.graph, result):
         rewrite_reshape(match)
         result.rewrite(match.node, "view->reshape")

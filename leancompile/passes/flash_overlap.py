@@ -49,8 +49,10 @@ reshape (such as "a chunk is not of length 1"): a recompile for such sizes, not 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
+import os
 import warnings
 
 import torch
@@ -87,13 +89,15 @@ def _operands(mm: fx.Node):
     return None, mm.args[0], mm.args[1]
 
 
-def _trace(fn, inputs: list[fx.Node]) -> fx.GraphModule:
-    """``fn`` over the fake values of ``inputs``, traced to aten (with Inductor's
+def _trace(fn, inputs: list) -> fx.GraphModule:
+    """``fn`` over the fake values of ``inputs`` (nodes, or SymInts the schedule needs that are
+    not a size of one of its tensors: they become inputs of the traced graph, as make_fx only
+    traces sizes it can derive from its inputs), traced to aten (with Inductor's
     decompositions, like the graph it goes into)."""
     from torch._inductor.pattern_matcher import fwd_only
 
     with _raw_sizes_bound_later():
-        return fwd_only(fn, [_val(n) for n in inputs])
+        return fwd_only(fn, [_val(n) if isinstance(n, fx.Node) else n for n in inputs])
 
 
 @contextlib.contextmanager
@@ -105,9 +109,10 @@ def _raw_sizes_bound_later():
         yield
 
 
-def _inline(graph: fx.Graph, sub: fx.GraphModule, inputs: list[fx.Node], before: fx.Node):
+def _inline(graph: fx.Graph, sub: fx.GraphModule, inputs: list, before: fx.Node):
     """Copy ``sub``'s nodes into ``graph`` before ``before``, its placeholders bound to
-    ``inputs``; returns the copied output values (a list)."""
+    ``inputs`` (a SymInt input is copied in as a raw value, which ``_bind_symbolic_sizes``
+    turns into nodes); returns the copied output values (a list)."""
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     val_map = dict(zip(placeholders, inputs))
     with graph.inserting_before(before), _raw_sizes_bound_later():
@@ -152,7 +157,7 @@ def _bind_symbolic_sizes(graph: fx.Graph) -> None:
         raise _Unsupported(f"no graph input holds the size symbol {symbol}")
 
     for node in list(graph.nodes):
-        if node.op != "call_function":
+        if node.op not in ("call_function", "output"):
             continue
 
         def bind(arg, node=node):
@@ -188,6 +193,35 @@ def _hoist(node: fx.Node, anchor: fx.Node, order: dict) -> None:
 
 class _Unsupported(Exception):
     pass
+
+
+_METADATA = (aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
+             aten.sym_storage_offset.default)
+
+
+def _detach_metadata_readers(nodes) -> None:
+    """Readers of sizes and strides (``sym_size(wait, 0)`` and friends) of nodes a rewrite is
+    about to erase read the value instead (the SymInt of their ``meta["val"]``, bound to the
+    graph's inputs by ``_bind_symbolic_sizes``, or an int): the size of a replaced collective
+    is a fact of the shapes, not of the node."""
+    for node in set(nodes):
+        if not isinstance(node, fx.Node) or getattr(node, "_erased", False):
+            continue
+        for reader in list(node.users):
+            if reader.op != "call_function" or reader.target not in _METADATA:
+                continue
+            value = reader.meta.get("val")
+            if not isinstance(value, (int, torch.SymInt)):
+                raise RuntimeError(f"{reader.name} reads metadata of {node.name} with no "
+                                   "recorded value")
+            if isinstance(value, torch.SymInt) and value.node.expr.is_number:
+                value = int(value.node.expr)
+            for user in list(reader.users):
+                user.args = fx.node.map_aggregate(user.args,
+                                                  lambda a, r=reader, v=value: v if a is r else a)
+                user.kwargs = fx.node.map_aggregate(
+                    user.kwargs, lambda a, r=reader, v=value: v if a is r else a)
+            reader.graph.erase_node(reader)
 
 
 def _erase_if_dead(graph: fx.Graph, nodes) -> None:
@@ -329,6 +363,8 @@ def _inline_all_gather(graph: fx.Graph, match: AllGatherMatch, uses, inputs, sch
             use.node.replace_all_uses_with(flat)
     if keep:
         match.gathered.replace_all_uses_with(outs[-1])
+    _detach_metadata_readers([match.all_gather, match.wait, match.gathered,
+                              *match.reassembly, *via, *(u.node for u in uses)])
     _erase_if_dead(graph, [u.node for u in uses] + via + list(match.reassembly))
     _erase_if_dead(graph, [match.gathered, match.wait])
     _erase_if_dead(graph, [match.wait, match.all_gather])
@@ -398,12 +434,17 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
         return False
     in_shape = list(reduced_shape[:-1]) + [_val(a).shape[-1]]
     group, dim, m = match.group_name, match.scatter_dim, chunks_per_rank
-    inputs = [a, b] + ([bias] if bias is not None else [])
+    # Symbolic sizes of the reshape are inputs of the traced schedule (make_fx traces only
+    # sizes it can derive from its inputs: 2*s from a (2*s, K) operand, not s).
+    sizes = [size for size in in_shape if isinstance(size, torch.SymInt)]
+    inputs = [a, b] + ([bias] if bias is not None else []) + sizes
 
     def schedule(a_, b_, *rest):
         h, w = (b_.t(), a_.t()) if transposed else (a_, b_)
-        h = h.reshape(in_shape)
-        bias_ = rest[0] if rest else None
+        traced = iter(rest[len(rest) - len(sizes):])
+        h = h.reshape([next(traced) if isinstance(size, torch.SymInt) else size
+                       for size in in_shape])
+        bias_ = rest[0] if bias is not None else None
         if overlap == "slice":
             return sliced_matmul_reduce_scatter(h, w, group_name=group, scatter_dim=dim,
                                                 chunks=chunks, bias=bias_)
@@ -413,6 +454,8 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
     sub = _trace(schedule, inputs)
     (out,) = _inline(graph, sub, inputs, match.wait)
     match.wait.replace_all_uses_with(out)
+    _detach_metadata_readers([match.wait, match.reduce_scatter, *match.reassembly,
+                              match.reduced, *match.via, match.matmul])
     _erase_if_dead(graph, [match.wait, match.reduce_scatter, *match.reassembly, match.reduced,
                            *match.via, match.matmul])
     result.rewrite(site, RS_SITE)
@@ -435,11 +478,66 @@ def _add_guard(condition, node: fx.Node) -> None:
 
 def flash_overlap_pass(gm: fx.GraphModule, options=None) -> PassResult:
     """Rewrite every matched site for ``options.overlap`` (``"flash"`` or ``"slice"``); off
-    (and reporting nothing) when ``options.overlap`` is None."""
-    result = PassResult(name=NAME)
+    (and reporting nothing) when ``options.overlap`` is None.
+
+    Never an internal error: a site whose matching or rewrite raises is left as it was
+    (the graph is restored from a copy taken before the pass and the other sites are rewritten
+    again), reported skipped with the exception, and a warning names the pass; with
+    ``on_error="raise"`` (or ``LEANCOMPILE_ON_ERROR=raise`` in the environment, as the test
+    suite sets) the exception propagates instead. With ``overlap="flash"``, a collective left
+    in place for a reason that may differ between ranks (its sizes, an error) gets a probe in
+    front of it (``runtime/p2p.py``): a rank that rewrote the site and a rank that did not stop
+    at once with an error instead of waiting for each other.
+    """
     overlap = getattr(options, "overlap", None)
     if overlap is None:
-        return result
+        return PassResult(name=NAME)
+    raise_errors = on_error(options) == "raise"
+    snapshot = None if raise_errors else _copy_graph(gm.graph)
+    failed: dict[str, str] = {}
+    while True:
+        result = PassResult(name=NAME)
+        try:
+            _rewrite_graph(gm, options, result, failed, raise_errors=raise_errors)
+        except _SiteError as err:
+            if raise_errors or snapshot is None:
+                raise
+            failed[err.site] = err.message
+            _restore_graph(gm.graph, snapshot)
+            continue
+        break
+    for site, message in failed.items():
+        where = "this graph" if site == _WHOLE_GRAPH else f"the site at {site}"
+        warnings.warn(f"leancompile pass {NAME!r}: rewriting {where} raised {message}; left "
+                      "as it was (the compile goes on). Set on_error='raise' to see the "
+                      "traceback", RuntimeWarning, stacklevel=2)
+    return result
+
+
+_WHOLE_GRAPH = "*"
+ON_ERROR_ENV = "LEANCOMPILE_ON_ERROR"
+
+
+def on_error(options) -> str:
+    """``"raise"`` when ``options.on_error`` or ``$LEANCOMPILE_ON_ERROR`` says so, else
+    ``"skip"``."""
+    if os.environ.get(ON_ERROR_ENV, "").strip().lower() == "raise":
+        return "raise"
+    return getattr(options, "on_error", "skip")
+
+
+class _SiteError(Exception):
+    """Internal: rewriting ``site`` (a collective's node name, or ``_WHOLE_GRAPH``) raised."""
+
+    def __init__(self, site: str, exc: BaseException):
+        super().__init__(site, exc)
+        self.site = site
+        self.message = f"{type(exc).__name__}: {exc}"
+
+
+def _rewrite_graph(gm: fx.GraphModule, options, result: PassResult, failed: dict[str, str], *,
+                   raise_errors: bool) -> None:
+    overlap = options.overlap
     m = options.chunks_per_rank if overlap == "flash" else 1
     divisor = m if overlap == "flash" else options.chunks
     graph = gm.graph
@@ -451,27 +549,163 @@ def flash_overlap_pass(gm: fx.GraphModule, options=None) -> PassResult:
         if node.target not in handled:
             result.skip(node, "collective", f"{node.target} is not an all-gather or a "
                         "reduce-scatter; FlashOverlap leaves it to the backend")
+    if _WHOLE_GRAPH in failed:
+        _skip_all(graph, collectives, handled, result, failed[_WHOLE_GRAPH])
+        _insert_probes(graph, result, overlap)
+        return
+    on_err = "raise" if raise_errors else "skip"
     # Dynamic shapes: a site divisible only under a guard (4*s by 8 needs s even) is rewritten
     # in a forward or inference graph after adding the guard to the shape environment (Dynamo
     # turns it into a guard of the compiled region: other sizes recompile). A backward graph
     # adds none; the forward's guard usually proves its sites, and the others are skipped.
     allow_guards = not is_backward_graph(graph)
-    for match in find_all_gather_matches(graph, result, divisor=divisor,
-                                         allow_guards=allow_guards):
-        _add_guard(match.needs_guard, match.shard)
-        rewrite_all_gather(gm, match, chunks_per_rank=m, overlap=overlap,
-                           chunks=options.chunks, result=result)
+    matches = find_all_gather_matches(graph, result, divisor=divisor,
+                                      allow_guards=allow_guards, on_error=on_err)
+    for match in _claim_matmuls(matches, result):
+        name = match.all_gather.name
+        if name in failed:
+            result.skip(match.all_gather, AG_SITE, _failed_reason(failed[name]), local="error")
+            continue
+        with _attributed(name):
+            _add_guard(match.needs_guard, match.shard)
+            rewrite_all_gather(gm, match, chunks_per_rank=m, overlap=overlap,
+                               chunks=options.chunks, result=result)
     for match in find_reduce_scatter_matches(graph, result, divisor=divisor,
-                                             allow_guards=allow_guards):
-        _add_guard(match.needs_guard, match.matmul)
-        rewrite_reduce_scatter(gm, match, chunks_per_rank=m, variant=options.variant,
-                               overlap=overlap, chunks=options.chunks, result=result)
-    if result.rewritten:
-        _bind_symbolic_sizes(graph)
+                                             allow_guards=allow_guards, on_error=on_err):
+        name = match.reduce_scatter.name
+        if name in failed:
+            result.skip(match.reduce_scatter, RS_SITE, _failed_reason(failed[name]),
+                        local="error")
+            continue
+        with _attributed(name):
+            _add_guard(match.needs_guard, match.matmul)
+            rewrite_reduce_scatter(gm, match, chunks_per_rank=m, variant=options.variant,
+                                   overlap=overlap, chunks=options.chunks, result=result)
+    with _attributed(_WHOLE_GRAPH):
+        _insert_probes(graph, result, overlap)
+        if result.rewritten:
+            _bind_symbolic_sizes(graph)
         graph.lint()
         gm.recompile()
-    elif collectives:
+    if not result.rewritten and collectives:
         log.warning("leancompile: overlap=%r rewrote none of the %d collectives in this graph; "
                     "see explain() for the reasons: %s", overlap, len(collectives),
                     "; ".join(str(s) for s in result.skipped) or "none matched")
-    return result
+
+
+@contextlib.contextmanager
+def _attributed(site: str):
+    """Turn any exception but a deliberate skip into a ``_SiteError`` for ``site``."""
+    try:
+        yield
+    except _SiteError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the safety net: any failure leaves the site
+        raise _SiteError(site, exc) from exc
+
+
+def _failed_reason(message: str) -> str:
+    return (f"the rewrite raised {message}; the site was left as it was (a bug in "
+            "leancompile: please report it with explain()'s output)")
+
+
+def _skip_all(graph: fx.Graph, collectives, handled, result: PassResult, message: str) -> None:
+    for node in collectives:
+        if node.target in handled:
+            kind = AG_SITE if "all_gather" in str(node.target) else RS_SITE
+            result.skip(node, kind, _failed_reason(message), local="error")
+
+
+def _claim_matmuls(matches: list[AllGatherMatch], result: PassResult) -> list[AllGatherMatch]:
+    """One rewrite per matmul. When two all-gathers feed one matmul (both operands gathered:
+    FSDP-style weights with a sequence-parallel input), the site with the larger gathered
+    tensor (more communication to hide; the earlier one on a tie) is rewritten and the other is
+    skipped with the reason. The choice depends on shapes every rank shares."""
+    def size(match: AllGatherMatch) -> int:
+        val = _val(match.gathered)
+        numel = 1
+        for dim in val.shape:
+            numel *= int(dim.node.hint) if isinstance(dim, torch.SymInt) else int(dim)
+        return numel * val.element_size()
+
+    def rewritten(match: AllGatherMatch) -> set[fx.Node]:
+        want = ("A", "M") if match.kind == "ag_input" else ("B", "N")
+        return {use.node for use in match.consumers if (use.operand, use.dim) == want}
+
+    order = {m.all_gather: i for i, m in enumerate(matches)}
+    ranked = sorted(matches, key=lambda m: (-size(m), order[m.all_gather]))
+    owner: dict[fx.Node, AllGatherMatch] = {}
+    kept = []
+    for match in ranked:
+        mms = rewritten(match)
+        taken = sorted(((mm, owner[mm]) for mm in mms if mm in owner), key=lambda t: t[0].name)
+        if taken:
+            mm, other = taken[0]
+            result.skip(match.all_gather, AG_SITE,
+                        f"{mm.name} also reads the all-gather at {other.all_gather.name}, whose "
+                        f"gathered tensor {tuple(_val(other.gathered).shape)} is the larger "
+                        "one and is rewritten instead (one matmul, one decomposed gather)")
+            continue
+        for mm in mms:
+            owner[mm] = match
+        kept.append(match)
+    return sorted(kept, key=lambda m: order[m.all_gather])
+
+
+def _insert_probes(graph: fx.Graph, result: PassResult, overlap: str) -> None:
+    """A ``p2p_probe`` in front of each collective left in place for a rank-local reason
+    (``Site.local``), for the FlashOverlap schedule (the sliced baseline runs collectives,
+    which report mismatched sizes themselves)."""
+    if overlap != "flash":
+        return
+    from ..runtime.p2p import P2P_PROBE, group_rank_and_size
+
+    nodes = {n.name: n for n in graph.nodes}
+    for i, site in enumerate(result.skipped):
+        node = nodes.get(site.node)
+        if not site.local or node is None or node.target not in (
+                torch.ops._c10d_functional.all_gather_into_tensor.default,
+                torch.ops._c10d_functional.reduce_scatter_tensor.default):
+            continue
+        x = node.args[0]
+        group_name = node.args[-1]
+        rank, n = group_rank_and_size(group_name)
+        if n == 1 or not isinstance(x, fx.Node):
+            continue
+        reason = {"shape": 1, "error": 2}[site.local]
+        with graph.inserting_before(node):
+            probed = graph.call_function(P2P_PROBE, (x, (rank + 1) % n, (rank - 1) % n,
+                                                     reason, group_name))
+        val = _val(x)
+        with val.fake_mode:
+            probed.meta["val"] = torch.empty_like(val)
+        node.replace_input_with(x, probed)
+        result.skipped[i] = dataclasses.replace(
+            site, reason=site.reason + "; a probe in front of the collective checks that "
+            "every rank left it in place")
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` with the same node names and metadata."""
+    copy = fx.Graph()
+    out = copy.graph_copy(graph, {})
+    old_output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    new_output = copy.output(out, type_expr=old_output.type)
+    new_output.meta = dict(old_output.meta)
+    return copy
+
+
+def _restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
+    """Put ``snapshot``'s nodes back into ``graph`` in place (the same Graph object, which
+    Inductor holds), with their original names."""
+    from torch.fx.graph import _Namespace
+
+    for node in reversed(list(graph.nodes)):
+        graph.erase_node(node)
+    graph._graph_namespace = _Namespace()
+    out = graph.graph_copy(snapshot, {})
+    old_output = next(n for n in reversed(snapshot.nodes) if n.op == "output")
+    new_output = graph.output(out, type_expr=old_output.type)
+    new_output.meta = dict(old_output.meta)
+    if graph.owning_module is not None:
+        graph.owning_module.recompile()

@@ -235,7 +235,36 @@ class ReduceScatterMatch:
 
 
 class _Skip(Exception):
-    """Internal: this site is left alone, with ``args[0]`` as the reason."""
+    """Internal: this site is left alone, with ``args[0]`` as the reason; ``local="shape"``
+    when the reason depends on this rank's sizes (another rank may decide otherwise)."""
+
+    def __init__(self, reason: str, *, local: str = ""):
+        super().__init__(reason)
+        self.local = local
+
+
+def _find(graph: fx.Graph, target, kind: str, match_one, result: PassResult,
+          on_error: str) -> list:
+    """``match_one(node)`` for every ``target`` node: its match, or a skip with the reason.
+    With ``on_error="skip"`` an unexpected exception is a skip too (the matcher only reads the
+    graph, so the site stays as it was)."""
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error={on_error!r}: use 'raise' or 'skip'")
+    matches = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not target:
+            continue
+        try:
+            matches.append(match_one(node))
+        except _Skip as skip:
+            result.skip(node, kind, skip.args[0], local=skip.local)
+        except Exception as exc:  # noqa: BLE001 - reported as the skip reason
+            if on_error == "raise":
+                raise
+            result.skip(node, kind, f"the matcher raised {type(exc).__name__}: {exc}; the site "
+                        "was left as it was (a bug in leancompile: please report it)",
+                        local="error")
+    return matches
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,42 +272,34 @@ class _Skip(Exception):
 
 
 def find_all_gather_matches(graph: fx.Graph, result: PassResult, *, divisor: int = 1,
-                            allow_other_users: bool = True,
-                            allow_guards: bool = True) -> list[AllGatherMatch]:
+                            allow_other_users: bool = True, allow_guards: bool = True,
+                            on_error: str = "raise") -> list[AllGatherMatch]:
     """Every all-gather feeding matmuls; every other all-gather goes to ``result`` with a reason.
 
     ``divisor`` is the chunks per rank the rewrite will use: the gathered size along the gather
     dim must be divisible by ``group_size * divisor``. ``allow_other_users=False`` skips gathers
     whose result is also read by something other than a matmul operand (the graph output
     included). ``allow_guards=False`` skips symbolic sizes that are divisible only under a guard.
+    ``on_error="skip"``: an exception while matching one site skips that site with it.
     """
     _check_divisor(divisor)
-    matches = []
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is _c10d.all_gather_into_tensor.default:
-            try:
-                matches.append(_match_all_gather(node, divisor, allow_other_users, allow_guards))
-            except _Skip as skip:
-                result.skip(node, AG_SITE, skip.args[0])
-    return matches
+    return _find(graph, _c10d.all_gather_into_tensor.default, AG_SITE,
+                 lambda node: _match_all_gather(node, divisor, allow_other_users, allow_guards),
+                 result, on_error)
 
 
 def find_reduce_scatter_matches(graph: fx.Graph, result: PassResult, *, divisor: int = 1,
-                                allow_guards: bool = True) -> list[ReduceScatterMatch]:
+                                allow_guards: bool = True,
+                                on_error: str = "raise") -> list[ReduceScatterMatch]:
     """Every reduce-scatter fed by a matmul; every other one goes to ``result`` with a reason.
 
-    ``divisor`` and ``allow_guards`` as in ``find_all_gather_matches``, on the size of the
-    scattered dim.
+    ``divisor``, ``allow_guards`` and ``on_error`` as in ``find_all_gather_matches``, on the
+    size of the scattered dim.
     """
     _check_divisor(divisor)
-    matches = []
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is _c10d.reduce_scatter_tensor.default:
-            try:
-                matches.append(_match_reduce_scatter(node, divisor, allow_guards))
-            except _Skip as skip:
-                result.skip(node, RS_SITE, skip.args[0])
-    return matches
+    return _find(graph, _c10d.reduce_scatter_tensor.default, RS_SITE,
+                 lambda node: _match_reduce_scatter(node, divisor, allow_guards), result,
+                 on_error)
 
 
 def _check_divisor(divisor) -> None:
@@ -598,24 +619,24 @@ def _divisible(size, n: int, m: int, what: str, allow_guards: bool):
             return None
         also = fix if m > 1 and size % n == 0 else ""
         raise _Skip(f"{what} of size {size} is not divisible by {by}; pad {what.split(' ', 1)[1]} "
-                    f"to {_round_up_str(size, k)}{also}")
+                    f"to {_round_up_str(size, k)}{also}", local="shape")
     cond = size % k == 0
     if statically_known_true(cond):
         return None
     expr = cond.node.expr
     if not cond.node.has_hint():
         raise _Skip(f"symbolic size {size} of {what} cannot be proven divisible by {by} "
-                    "(data-dependent size, no hint)")
+                    "(data-dependent size, no hint)", local="shape")
     hint = size.node.hint
     if not cond.node.hint:
         raise _Skip(f"symbolic size {size} of {what} (= {hint} for the traced shapes) is not "
                     f"divisible by {by}; pad it to a multiple of {k}"
-                    + (fix if m > 1 else ""))
+                    + (fix if m > 1 else ""), local="shape")
     if not allow_guards:
         raise _Skip(f"symbolic size {size} of {what} cannot be proven divisible by {by}: true "
                     f"for the traced shapes (= {hint}) only under the guard {expr}, which is "
                     "not added here (guards are added while compiling a forward graph, not a "
-                    "backward one); mark the dim static" + (fix if m > 1 else ""))
+                    "backward one); mark the dim static" + (fix if m > 1 else ""), local="shape")
     return expr
 
 

@@ -21,6 +21,10 @@ class Site:
     kind: str
     target: str = ""
     reason: str = ""
+    local: str = ""
+    """Why ranks could decide this site differently, for a skipped site: ``"shape"`` (the
+    reason depends on this rank's sizes) or ``"error"`` (matching or rewriting it raised);
+    empty when the decision follows from the program alone, which every rank shares."""
 
     def __str__(self) -> str:
         where = f"{self.node} ({self.target})" if self.target else self.node
@@ -40,10 +44,13 @@ class PassResult:
     def rewrite(self, node, kind: str) -> None:
         self.rewritten.append(Site(node=_name(node), kind=kind, target=_target(node)))
 
-    def skip(self, node, kind: str, reason: str) -> None:
+    def skip(self, node, kind: str, reason: str, *, local: str = "") -> None:
         if not reason:
             raise ValueError("a skipped site needs a reason")
-        self.skipped.append(Site(node=_name(node), kind=kind, target=_target(node), reason=reason))
+        if local not in ("", "shape", "error"):
+            raise ValueError(f"local={local!r}: use '', 'shape' or 'error'")
+        self.skipped.append(Site(node=_name(node), kind=kind, target=_target(node), reason=reason,
+                                 local=local))
 
     @property
     def changed(self) -> bool:
