@@ -1,7 +1,7 @@
 """FlashOverlap runtime: the P2P ops (leancompile/runtime/p2p.py) and the per-rank schedules
 (leancompile/runtime/flash_schedules.py).
 
-Step lists are checked in-process (ordering properties from ../shared/docs/flashoverlap.md, the
+Step lists are checked in-process (ordering properties from docs/flashoverlap.md, the
 ranks' messages matching, a simulated run finishing). Input errors and graph structure use torch's
 fake process group. Numerics run on gloo with 2 and 4 processes: one spawn per world size runs the
 whole matrix against the collectives the schedules replace and writes one JSON file per rank; the
@@ -150,7 +150,7 @@ def test_step_lists_match_across_ranks_and_finish(kind, world, m):
 
 
 def test_step_lists_against_the_paper_tables():
-    # ../shared/docs/flashoverlap.md section 2, N = 3, rank 0.
+    # docs/flashoverlap.md section 1, N = 3, rank 0.
     assert flash_ag_steps(0, 3).format().splitlines()[1:] == [
         "  step 0: compute slice 0.0; send 0.0 to 1; recv 2.0 from 2",
         "  step 1: compute slice 2.0; wait 2.0 from 2; send 2.0 to 1; recv 1.0 from 2",

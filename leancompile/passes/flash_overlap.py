@@ -109,14 +109,22 @@ def _raw_sizes_bound_later():
         yield
 
 
-def _inline(graph: fx.Graph, sub: fx.GraphModule, inputs: list, before: fx.Node):
+SITE_META = "flash_overlap_site"
+"""``meta`` key on every node a rewrite inserts: the name of the collective it replaced."""
+
+
+def _inline(graph: fx.Graph, sub: fx.GraphModule, inputs: list, before: fx.Node, site: str):
     """Copy ``sub``'s nodes into ``graph`` before ``before``, its placeholders bound to
     ``inputs`` (a SymInt input is copied in as a raw value, which ``_bind_symbolic_sizes``
-    turns into nodes); returns the copied output values (a list)."""
+    turns into nodes), each tagged with ``meta[SITE_META] = site``; returns the copied output
+    values (a list)."""
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     val_map = dict(zip(placeholders, inputs))
     with graph.inserting_before(before), _raw_sizes_bound_later():
         out = graph.graph_copy(sub.graph, val_map)
+    for old, new in val_map.items():
+        if old.op != "placeholder" and isinstance(new, fx.Node):
+            new.meta[SITE_META] = site
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
@@ -354,12 +362,13 @@ def _inline_all_gather(graph: fx.Graph, match: AllGatherMatch, uses, inputs, sch
         anchor.prepend(node)
     keep = bool(live)
     sub = _trace(lambda *args: _flat(schedule(*args, keep=keep)), inputs)
-    outs = _inline(graph, sub, inputs, late[0] if late else anchor)
+    outs = _inline(graph, sub, inputs, late[0] if late else anchor, match.all_gather.name)
     ys = outs[:len(uses)]
     with graph.inserting_before(anchor), _raw_sizes_bound_later():
         for use, y in zip(uses, ys):
             flat = graph.call_function(aten.reshape.default, (y, list(_val(use.node).shape)))
             flat.meta["val"] = _val(use.node)
+            flat.meta[SITE_META] = match.all_gather.name
             use.node.replace_all_uses_with(flat)
     if keep:
         match.gathered.replace_all_uses_with(outs[-1])
@@ -452,7 +461,7 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
                                            variant=variant, chunks_per_rank=m, bias=bias_)
 
     sub = _trace(schedule, inputs)
-    (out,) = _inline(graph, sub, inputs, match.wait)
+    (out,) = _inline(graph, sub, inputs, match.wait, site.name)
     match.wait.replace_all_uses_with(out)
     _detach_metadata_readers([match.wait, match.reduce_scatter, *match.reassembly,
                               match.reduced, *match.via, match.matmul])
@@ -618,22 +627,16 @@ def _skip_all(graph: fx.Graph, collectives, handled, result: PassResult, message
 
 def _claim_matmuls(matches: list[AllGatherMatch], result: PassResult) -> list[AllGatherMatch]:
     """One rewrite per matmul. When two all-gathers feed one matmul (both operands gathered:
-    FSDP-style weights with a sequence-parallel input), the site with the larger gathered
-    tensor (more communication to hide; the earlier one on a tie) is rewritten and the other is
-    skipped with the reason. The choice depends on shapes every rank shares."""
-    def size(match: AllGatherMatch) -> int:
-        val = _val(match.gathered)
-        numel = 1
-        for dim in val.shape:
-            numel *= int(dim.node.hint) if isinstance(dim, torch.SymInt) else int(dim)
-        return numel * val.element_size()
-
+    FSDP-style weights with a sequence-parallel input), the input (activation) gather is
+    rewritten and the weight gather is skipped with the reason (between two gathers of one
+    kind, the earlier one wins). The choice follows from the program alone, never from sizes,
+    so every rank makes the same one."""
     def rewritten(match: AllGatherMatch) -> set[fx.Node]:
         want = ("A", "M") if match.kind == "ag_input" else ("B", "N")
         return {use.node for use in match.consumers if (use.operand, use.dim) == want}
 
     order = {m.all_gather: i for i, m in enumerate(matches)}
-    ranked = sorted(matches, key=lambda m: (-size(m), order[m.all_gather]))
+    ranked = sorted(matches, key=lambda m: (m.kind != "ag_input", order[m.all_gather]))
     owner: dict[fx.Node, AllGatherMatch] = {}
     kept = []
     for match in ranked:
@@ -641,10 +644,11 @@ def _claim_matmuls(matches: list[AllGatherMatch], result: PassResult) -> list[Al
         taken = sorted(((mm, owner[mm]) for mm in mms if mm in owner), key=lambda t: t[0].name)
         if taken:
             mm, other = taken[0]
+            what = "input" if other.kind == "ag_input" else "weight"
             result.skip(match.all_gather, AG_SITE,
-                        f"{mm.name} also reads the all-gather at {other.all_gather.name}, whose "
-                        f"gathered tensor {tuple(_val(other.gathered).shape)} is the larger "
-                        "one and is rewritten instead (one matmul, one decomposed gather)")
+                        f"{mm.name} also reads the all-gather at {other.all_gather.name} (its "
+                        f"{what} operand), which is rewritten instead: one matmul, one "
+                        "decomposed gather")
             continue
         for mm in mms:
             owner[mm] = match

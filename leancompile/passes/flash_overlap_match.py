@@ -5,7 +5,7 @@ This module finds; it rewrites nothing. Every ``_c10d_functional.all_gather_into
 after ``canonicalize``: ``view``, ``_unsafe_view`` and ``reshape`` are all followed) is either
 returned as a match or recorded in the ``PassResult`` as a skipped site with a reason a user can
 act on. The FlashOverlap schedules the rewrite builds from these matches are in
-``shared/docs/flashoverlap.md``.
+``docs/flashoverlap.md``.
 
 Patterns (``N`` ranks in the group; ``m`` = ``divisor``, the chunks per rank the rewrite will use)
 
@@ -94,7 +94,9 @@ Skip reasons (the site is the collective node; kinds ``"all_gather+mm"`` and
   rewrite feeds them the reassembled tensor, as the original all-gather did
 - ``the gather dim is the contraction (K) dim of every matmul that reads it (...)``
 - ``the gather dim is spread over both dims of operand A of mm by view_2 ...``
-- ``the reduce-scatter input is produced by aten.relu.default at relu, not by a matmul``
+- ``the reduce-scatter input is produced by aten.relu.default at relu, not by a matmul``;
+  ``... is the result of the decomposed schedule of the all-gather at ...`` (the matmul between
+  an all-gather and a reduce-scatter is rewritten once, for the gather)
 - ``the matmul result mm_2 has other users (...)``
 - ``the scatter dim mixes the matmul's row and column dims (...)``
 - ``gather dim 1 of size 28 is not divisible by world size 4 x chunks_per_rank 2 = 8; pad dim 1
@@ -500,6 +502,10 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
         node = node.args[0]
     if node.op != "call_function" or node.target not in _MATMULS:
         _check_pad(node, scatter_dim, group_size, divisor)
+        if node.meta.get("flash_overlap_site"):
+            raise _Skip(f"the reduce-scatter input is the result of the decomposed schedule of "
+                        f"the all-gather at {node.meta['flash_overlap_site']}, which replaced "
+                        "the matmul that produced it (one matmul, one decomposed collective)")
         raise _Skip(f"the reduce-scatter input is produced by {_describe(node)}, not by a matmul "
                     "(mm/addmm)")
     matmul = node

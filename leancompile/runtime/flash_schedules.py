@@ -20,7 +20,7 @@ of N ranks, rank r (slices named by the rank that owns them, cut into m chunks e
     sliced_*                     the data-slicing baseline: k chunks, one async collective each.
 
 The step lists (``flash_ag_steps``, ``flash_rs_steps``) drive the schedules, so what a test or
-``explain`` reads is what runs. Reference: ../shared/docs/flashoverlap.md, section 2.
+``explain`` reads is what runs. Reference: docs/flashoverlap.md, section 1.
 
 Numerics: input all-gather schedules run the same mm/addmm on the same rows of X as the
 collective-then-matmul graph, one call per slice instead of one for all rows; on this project's
