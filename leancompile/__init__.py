@@ -11,7 +11,7 @@ no pass run in this process) finds the P2P ops it calls.
 from .compiler import (Installation, LeanGraphPass, __version__, backend, install,
                        lean_compile)
 from .explain import explain
-from .graphs.report import GraphRecord, Report, last_report
+from .report import GraphRecord, Report, last_report
 from .options import CompileOptions
 from .passes import PassResult, Site, pass_names
 from .runtime import p2p as _p2p  # noqa: F401  (registers the leancompile:: ops)

@@ -20,13 +20,13 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from .graphs.report import GraphRecord, Report, _record_report
+from .report import GraphRecord, Report, record_report
 from .options import CompileOptions
 from .passes import PASSES
 from .pipeline import Pipeline
 
 __all__ = ["backend", "lean_compile", "install", "Installation", "LeanGraphPass",
-           "leancompile_backend"]
+           "leancompile_backend", "aot_eager"]
 
 log = logging.getLogger("leancompile")
 
@@ -115,7 +115,7 @@ class LeanGraphPass(_PassBase):
             else:
                 report = Report(options=self.options.cache_key())
                 _latest_unbound["report"] = report
-                _record_report(report)
+                record_report(report)
         report.graphs.append(record)
         return record
 
@@ -154,7 +154,7 @@ class LeanBackend:
         report = Report(options=self.options.cache_key())
         if self._on_report is not None:
             self._on_report(report)
-        _record_report(report)
+        record_report(report)
         graph_pass = LeanGraphPass(
             self.options, previous=torch._inductor.config.post_grad_custom_pre_pass,
             report=report, graph_index=self._graphs_compiled)
@@ -169,13 +169,16 @@ class LeanBackend:
                 log.info("leancompile: graph %d served from Inductor's cache; passes not rerun",
                          graph_pass._graph_index)
             return compiled
-        return _aot_eager(graph_pass)(gm, example_inputs)
+        return aot_eager(graph_pass)(gm, example_inputs)
 
     def __repr__(self) -> str:
         return f"leancompile.backend({self.options})"
 
 
-def _aot_eager(graph_pass: LeanGraphPass):
+def aot_eager(graph_pass: LeanGraphPass):
+    """The ``aot_eager`` path with ``graph_pass`` on every graph: AOTAutograd with Inductor's
+    decompositions and min-cut partitioner (the graphs Inductor would see), then the graphs run
+    as they are."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition

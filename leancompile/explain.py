@@ -17,8 +17,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-from .compiler import LeanGraphPass, _aot_eager
-from .graphs.report import Report, _record_report
+from .compiler import LeanGraphPass, aot_eager
+from .report import Report, record_report
 from .options import CompileOptions
 
 __all__ = ["explain"]
@@ -54,7 +54,7 @@ class _CaptureBackend:
             compile_fx(gm, example_inputs, inner_compile=inner_compile,
                        config_patches={"post_grad_custom_pre_pass": graph_pass})
         else:
-            _aot_eager(graph_pass)(gm, example_inputs)
+            aot_eager(graph_pass)(gm, example_inputs)
         return _no_compute(gm, dynamo=True)
 
 
@@ -130,5 +130,5 @@ def explain(fn_or_module, *example_args, **options):
             f"explain captured no graph from {fn_or_module!r:.80}: Dynamo compiled nothing "
             "(the whole call ran in Python, or this code object hit Dynamo's recompile limit; "
             "torch._dynamo.reset() clears it)")
-    _record_report(report)
+    record_report(report)
     return report

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch.fx as fx
 
-from .graphs.printing import graph_code, op_counts
-from .graphs.report import GraphRecord
+from .report import GraphRecord, graph_code, op_counts
 from .options import CompileOptions
 from .passes import PASSES, PassSpec
 from .passes.result import PassResult

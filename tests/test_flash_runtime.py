@@ -29,11 +29,11 @@ from leancompile.runtime.flash_schedules import (
     sliced_matmul_reduce_scatter,
 )
 from leancompile.runtime.p2p import (
+    P2P_PROBE,
     P2P_START,
     P2P_WAIT,
-    RING_EXCHANGE,
     pending_exchanges,
-    ring_exchange,
+    probe,
     start_exchange,
     wait_exchange,
 )
@@ -246,7 +246,7 @@ def test_all_gather_input_errors(fake_group):
     with pytest.raises(ValueError, match="inputs is empty; pass at least one"):
         flash_all_gather_weight_matmul(w, [], group_name=fake_group, layout="kn")
     with pytest.raises(ValueError, match=r"peer_send=-2: expected a rank in the group"):
-        ring_exchange(x, x.shape, -2, 0, fake_group)
+        start_exchange(x, x.shape, -2, 0, fake_group)
     with pytest.raises(ValueError, match="recv_shape is required"):
         start_exchange(x, None, 0, 2, fake_group)
 
@@ -340,14 +340,14 @@ def test_send_only_exchanges_survive_dce(fake_group):
     def fn(x):
         start_exchange(x, None, 2, -1, fake_group)  # result never read
         wait_exchange(start_exchange(x, None, 3, -1, fake_group))  # waited, result unused
-        ring_exchange(x, None, 0, -1, fake_group)
+        probe(x, 0, -1, fake_group)  # a probe that receives nothing
         return x + 1
 
     gm = make_fx(fn, tracing_mode="fake")(torch.randn(4, 8))
     gm.graph.eliminate_dead_code()
     targets = _targets(gm)
     assert targets.count(P2P_START) == 2 and targets.count(P2P_WAIT) == 1
-    assert targets.count(RING_EXCHANGE) == 1
+    assert targets.count(P2P_PROBE) == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,7 +505,8 @@ def _run_compiled(rank, n, group_name, results):
         direct = flash_matmul_reduce_scatter(h, w2, group_name=group_name, scatter_dim=1,
                                              variant="direct")
         _, (qs,) = sliced_all_gather_matmul(x, [wq], group_name=group_name, gather_dim=1)
-        back = ring_exchange(k, k.shape, (rank + 1) % n, (rank - 1) % n, group_name, tag=99)
+        back = wait_exchange(start_exchange(k, k.shape, (rank + 1) % n, (rank - 1) % n,
+                                            group_name, tag=99))
         return ring, direct, qs, back
 
     gen = torch.Generator().manual_seed(rank)
@@ -516,11 +517,10 @@ def _run_compiled(rank, n, group_name, results):
     compiled = torch.compile(step, backend=aot_autograd(fw_compiler=keep), fullgraph=True)
     got = compiled(*args)
     targets = [nd.target for nd in graphs[0].graph.nodes] if len(graphs) == 1 else []
-    counts = {str(op): targets.count(op) for op in (P2P_START, P2P_WAIT, RING_EXCHANGE)}
+    counts = {str(op): targets.count(op) for op in (P2P_START, P2P_WAIT)}
     same = [torch.equal(a, b) for a, b in zip(eager, got)]
-    # m=2 AG: (N-1)*2 hops; ring RS and direct RS: N-1 each.
-    expected = {str(P2P_START): 4 * (n - 1), str(P2P_WAIT): 4 * (n - 1),
-                str(RING_EXCHANGE): 1}
+    # m=2 AG: (N-1)*2 hops; ring RS and direct RS: N-1 each; one exchange of k.
+    expected = {str(P2P_START): 4 * (n - 1) + 1, str(P2P_WAIT): 4 * (n - 1) + 1}
     ok = all(same) and counts == expected and _leftovers() == (0, 0)
     results["compiled"] = {"aot_eager fullgraph": {
         "ok": ok, "detail": f"equal={same} graphs={len(graphs)} counts={counts} "

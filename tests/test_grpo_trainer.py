@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo_reference import agreement, eager_grpo_gradients
-from leancompile.graphs.capture import RandomOpInGraphError
+from leancompile.capture import RandomOpInGraphError
 from leancompile.grpo.trainer import GRPOConfig, GRPOTrainer, OffPolicyWarning
 from models import ToyFlowPolicy, tiny_flux_policy, tiny_wan_policy
 

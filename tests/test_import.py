@@ -15,7 +15,7 @@ def test_import_changes_no_config_or_env():
                     {k: repr(v) for k, v in torch._dynamo.config.get_config_copy().items()},
                     {k: repr(v) for k, v in torch._functorch.config.get_config_copy().items()})
         before = snapshot()
-        import leancompile, leancompile.passes, leancompile.graphs, leancompile.runtime
+        import leancompile, leancompile.passes, leancompile.runtime, leancompile.grpo
         import leancompile.integrations, leancompile.cli
         after = snapshot()
         for name, b, a in zip(("environ", "inductor", "dynamo", "functorch"), before, after):

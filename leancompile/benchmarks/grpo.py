@@ -100,7 +100,7 @@ def mean_latent_reward(latents, conditions):
 
 
 def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
-    from ..graphs.capture import module_inputs
+    from ..capture import module_inputs
     from ..grpo.trainer import GRPOConfig, GRPOTrainer
 
     if config.threads:

@@ -22,13 +22,13 @@ from typing import Callable, Mapping
 import torch
 import torch.nn as nn
 
-from ..graphs.capture import RandomOpInGraphError, module_input_names, module_inputs
+from ..capture import RandomOpInGraphError, module_input_names, module_inputs
 from ..passes.lean_grpo import (SCHEDULES, SchedulePlan, ScheduleReport, build_schedule_plans,
                                 choose_schedule, graph_flops)
-from ..runtime.graphs import StepGraphCache
-from ..runtime.schedule import ScheduleRunner
 from .advantages import AdvantageConfig, group_advantages, group_ids_for
+from .graphs_cache import StepGraphCache
 from .rewards import check_rewards
+from .runner import ScheduleRunner
 from .sde import SDE_KINDS
 from .step import PolicyStep
 from .timesteps import TimestepSelection, same_noise_latents, select_timesteps

@@ -192,13 +192,7 @@ class AllGatherMatch:
     reassembly: tuple[fx.Node, ...]
     consumers: tuple[MatmulUse, ...]
     other_users: tuple[fx.Node, ...] = ()
-    divisor: int = 1
     needs_guard: sympy.Basic | None = None
-
-    @property
-    def between(self) -> tuple[fx.Node, ...]:
-        """Every node between the wait and the matmuls, in graph order, each once."""
-        return _unique((*self.reassembly, *(n for use in self.consumers for n in use.via)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,14 +220,8 @@ class ReduceScatterMatch:
     group_name: str
     group_size: int
     shape: tuple
-    divisor: int = 1
     needs_guard: sympy.Basic | None = None
     dims: tuple[frozenset, ...] = ()
-
-    @property
-    def between(self) -> tuple[fx.Node, ...]:
-        """Every node between the matmul and the reduce-scatter, in graph order."""
-        return (*self.via, *self.reassembly)
 
 
 class _Skip(Exception):
@@ -366,7 +354,7 @@ def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
         kind=kind, all_gather=ag, wait=wait, shard=shard, gathered=gathered,
         gather_dim=gather_dim, group_name=group_name, group_size=group_size, shape=shape,
         reassembly=reassembly, consumers=tuple(uses), other_users=tuple(others),
-        divisor=divisor, needs_guard=needs_guard)
+        needs_guard=needs_guard)
 
 
 def _all_gather_reassembly(wait: fx.Node, n: int) -> tuple[fx.Node, int, tuple[fx.Node, ...]]:
@@ -539,7 +527,7 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
         kind="rs_weight_grad" if weight_grad else "rs_output", matmul=matmul, dim=dim, via=via,
         reduced=reduced, reassembly=reassembly, reduce_scatter=rs, wait=wait,
         reduce_op=str(reduce_op), scatter_dim=scatter_dim, group_name=group_name,
-        group_size=group_size, shape=shape, divisor=divisor, needs_guard=needs_guard, dims=tags)
+        group_size=group_size, shape=shape, needs_guard=needs_guard, dims=tags)
 
 
 def _reduce_scatter_reassembly(rs: fx.Node, n: int) -> tuple[fx.Node, int, tuple[fx.Node, ...]]:

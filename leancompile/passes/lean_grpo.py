@@ -1,12 +1,12 @@
 """LeanGRPO: turn the captured graphs of a policy step into Recompute / Retain / Reweight
 schedules, and choose one from the memory the graphs really save.
 
-Input: a ``CapturedStep`` (forward graph ``(params, x_t, step, noise, cond) -> (x_{t+1},
+Input: a captured step (forward graph ``(params, x_t, step, noise, cond) -> (x_{t+1},
 log_prob[, mean], *saved)``, backward graph ``(*saved, cotangents) -> grads``, inference graph),
 the timestep selection drawn before the rollout, and the byte size of one trainable-parameter
 gradient. Output: a ``SchedulePlan`` per schedule. A plan is data: which graph runs at each
 rollout step for selected and unselected samples, what runs once the rewards are known, and
-the cotangent of each backward. The runtime (``leancompile.runtime.schedule``) executes it.
+the cotangent of each backward. The runner (``leancompile.grpo.runner``) executes it.
 
 Rollout and update per schedule (``S_i`` = selected steps of sample ``i``, ``B`` samples)::
 
@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-
-from ..graphs.capture import CapturedStep
 
 __all__ = ["PlanOp", "SchedulePlan", "StepCosts", "ScheduleReport", "build_schedule_plans",
            "choose_schedule", "graph_flops", "SCHEDULES", "VERSION"]
@@ -123,8 +121,9 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def graph_flops(captured: CapturedStep) -> StepCosts:
-    """FLOPs of each graph, counted on fake tensors (nothing runs)."""
+def graph_flops(captured) -> StepCosts:
+    """FLOPs of each graph of a captured step (``forward``, ``backward`` and ``inference``
+    GraphModules, ``saved_bytes``), counted on fake tensors (nothing runs)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     def count(gm):

@@ -1,5 +1,5 @@
-"""What executes at run time: the captured step graphs (``graphs``) and the LeanGRPO schedule
-runner with its activation store and gradient buffers (``schedule``). The FlashOverlap P2P ops
-land here too."""
+"""What compiled graphs call at run time: the FlashOverlap P2P ops (``p2p``) and the per-rank
+schedules traced into graphs (``flash_schedules``). Nothing here imports from the rest of the
+package."""
 
 __all__: list[str] = []

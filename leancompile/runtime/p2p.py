@@ -1,6 +1,6 @@
 """Point-to-point (P2P) ops that can live in FX graphs: the steps of the FlashOverlap schedules.
 
-Four ops, registered with ``torch.library.custom_op`` under ``leancompile::`` when
+Three ops, registered with ``torch.library.custom_op`` under ``leancompile::`` when
 ``leancompile`` is imported (so a graph that Inductor serves from its cache finds them), and
 keyed by the process-group *name* (``group.group_name``, as functional collectives are)::
 
@@ -8,14 +8,12 @@ keyed by the process-group *name* (``group.group_name``, as functional collectiv
     y = ...compute that does not need the received data...
     recv = leancompile::p2p_wait(handle, recv_shape, dtype, device, after=[y])
 
-    recv = leancompile::ring_exchange(send, recv_shape, peer_send, peer_recv, tag, group_name)
     x2 = leancompile::p2p_probe(x, peer_send, peer_recv, reason, group_name)
 
 ``p2p_start`` posts "send ``send`` to ``peer_send``" and "receive a ``recv_shape`` tensor of
 ``send``'s dtype from ``peer_recv``" together (``dist.batch_isend_irecv``) and returns at once with
 a handle (a 0-dim int64 CPU tensor naming the posted work in a table of this module).
-``p2p_wait`` waits for both and returns the received tensor. ``ring_exchange`` is the two in one
-blocking node. Peers are ranks *within the group*; -1 means "no send" or "no receive" (a receive
+``p2p_wait`` waits for both and returns the received tensor. Peers are ranks *within the group*; -1 means "no send" or "no receive" (a receive
 of nothing returns an empty tensor). Send and receive of one op carry the same ``tag``: give every
 message of a schedule its own tag so that matching never depends on the order the ops run in.
 
@@ -96,13 +94,11 @@ __all__ = [
     "P2P_START",
     "P2P_WAIT",
     "PROBE_REASONS",
-    "RING_EXCHANGE",
     "P2PMismatchError",
     "PendingExchange",
     "group_rank_and_size",
     "pending_exchanges",
     "probe",
-    "ring_exchange",
     "start_exchange",
     "wait_exchange",
 ]
@@ -330,21 +326,6 @@ def _(handle, recv_shape, dtype, device, after):
 
 
 @torch.library.custom_op(
-    "leancompile::ring_exchange", mutates_args=(),
-    schema="(Tensor send, SymInt[] recv_shape, int peer_send, int peer_recv, int tag, "
-           "str group_name) -> Tensor")
-def _ring_exchange(send, recv_shape, peer_send, peer_recv, tag, group_name):
-    data = send if peer_send >= 0 else None
-    return _complete(_post(_DATA, data, send, recv_shape, peer_send, peer_recv, tag,
-                           group_name))
-
-
-@_ring_exchange.register_fake
-def _(send, recv_shape, peer_send, peer_recv, tag, group_name):
-    return send.new_empty(recv_shape)
-
-
-@torch.library.custom_op(
     "leancompile::p2p_probe", mutates_args=(),
     schema="(Tensor x, int peer_send, int peer_recv, int reason, str group_name) -> Tensor")
 def _p2p_probe(x, peer_send, peer_recv, reason, group_name):
@@ -365,10 +346,9 @@ def _(x, peer_send, peer_recv, reason, group_name):
 
 P2P_START = torch.ops.leancompile.p2p_start.default
 P2P_WAIT = torch.ops.leancompile.p2p_wait.default
-RING_EXCHANGE = torch.ops.leancompile.ring_exchange.default
 P2P_PROBE = torch.ops.leancompile.p2p_probe.default
 
-for _op in (P2P_START, P2P_WAIT, RING_EXCHANGE, P2P_PROBE):
+for _op in (P2P_START, P2P_WAIT, P2P_PROBE):
     torch.fx.node.has_side_effect(_op)
     torch.fx.node.has_side_effect(_op._overloadpacket)
 
@@ -408,16 +388,6 @@ def wait_exchange(pending: PendingExchange, after: Sequence[Tensor] = ()) -> Ten
     Raises ``P2PMismatchError`` when the peer sent something else than the expected slice."""
     return torch.ops.leancompile.p2p_wait(pending.handle, pending.recv_shape,
                                           pending.send.dtype, pending.send.device, list(after))
-
-
-def ring_exchange(send: Tensor, recv_shape: Sequence[int] | None, peer_send: int,
-                  peer_recv: int, group_name: str, *, tag: int = 0) -> Tensor:
-    """Send ``send`` to ``peer_send`` and receive a ``recv_shape`` tensor from ``peer_recv``,
-    posted together, and return the received tensor (blocking: one graph node)."""
-    _check_peers(peer_send, peer_recv, recv_shape)
-    shape = tuple(recv_shape) if peer_recv >= 0 else (0,)
-    return torch.ops.leancompile.ring_exchange(send, shape, peer_send, peer_recv, tag,
-                                               group_name)
 
 
 def probe(x: Tensor, peer_send: int, peer_recv: int, group_name: str, *,

@@ -90,19 +90,6 @@ class CapturedStep:
         roots = {s.root: s.root_nbytes for s in self.saved if s.aliases_input is not None}
         return sum(roots.values())
 
-    def run_forward(self, module_inputs, args):
-        outs = self.forward(*module_inputs, *args)
-        return tuple(outs[:self.num_outputs]), tuple(outs[self.num_outputs:])
-
-    def run_backward(self, saved, cotangents):
-        if len(cotangents) != len(self.differentiable_outputs):
-            raise ValueError(f"backward takes {len(self.differentiable_outputs)} cotangents "
-                             f"(outputs {self.differentiable_outputs}), got {len(cotangents)}")
-        return self.backward(*saved, *cotangents)
-
-    def run_inference(self, module_inputs, args):
-        return tuple(self.inference(*module_inputs, *args))
-
 
 def module_input_names(module: torch.nn.Module) -> list[str]:
     """The leading primals of the captured graphs, in AOTAutograd's order: parameters, then

@@ -1,7 +1,7 @@
 """Captured step graphs, compiled once per (mode, batch rows, partitioner budget).
 
 ``StepGraphCache.get(module, args)`` captures ``module`` through AOTAutograd
-(``leancompile.graphs.capture``) the first time it sees a key and compiles the forward,
+(``leancompile.capture``) the first time it sees a key and compiles the forward,
 backward and inference graphs with ``aot_eager`` (the graphs run as they are) or Inductor.
 """
 
@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..graphs.capture import CapturedStep, capture_step
+from ..capture import CapturedStep, capture_step
 
 __all__ = ["CompiledStep", "StepGraphCache", "compile_captured"]
 

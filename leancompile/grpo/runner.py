@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..grpo.sde import kl_to_reference
 from ..passes.lean_grpo import SchedulePlan
-from .graphs import CompiledStep, StepGraphCache
+from .graphs_cache import CompiledStep, StepGraphCache
+from .sde import kl_to_reference
 
 __all__ = ["ScheduleRunner", "RetainedEntry", "measure_bytes"]
 

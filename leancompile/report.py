@@ -1,4 +1,5 @@
-"""What a compile did to its graphs: ``GraphRecord`` per graph, ``Report`` per compile."""
+"""What a compile did to its graphs: ``GraphRecord`` per graph, ``Report`` per compile, and the
+helpers that print graph code and count ops."""
 
 from __future__ import annotations
 
@@ -10,10 +11,38 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..passes.result import PassResult
-from .printing import op_count_diff
+import torch.fx as fx
 
-__all__ = ["GraphRecord", "Report", "last_report"]
+from .passes.result import PassResult
+
+__all__ = ["GraphRecord", "Report", "last_report", "record_report", "graph_code", "op_counts",
+           "op_count_diff"]
+
+
+def graph_code(gm: fx.GraphModule) -> str:
+    """The graph as Python, with tensor shapes and dtypes as annotations."""
+    try:
+        return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    except TypeError:  # older torch without the include_* flags
+        return gm.print_readable(print_output=False)
+
+
+def op_name(node: fx.Node) -> str:
+    target = node.target
+    if hasattr(target, "_schema"):
+        return str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def op_counts(gm: fx.GraphModule) -> Counter:
+    """How many times each ``call_function`` target occurs (``"aten.mm.default": 4``)."""
+    return Counter(op_name(n) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def op_count_diff(before: Counter, after: Counter) -> dict[str, tuple[int, int]]:
+    """The ops whose count changed, as ``{op: (before, after)}``, sorted by name."""
+    return {op: (before.get(op, 0), after.get(op, 0))
+            for op in sorted(set(before) | set(after)) if before.get(op, 0) != after.get(op, 0)}
 
 
 @dataclass(kw_only=True)
@@ -151,7 +180,8 @@ _lock = threading.Lock()
 _last: list[Report] = []
 
 
-def _record_report(report: Report) -> None:
+def record_report(report: Report) -> None:
+    """Make ``report`` the one ``last_report()`` returns."""
     with _lock:
         _last[:] = [report]
 
