@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx as fx
 
-__all__ = ["SavedTensor", "CapturedStep", "capture_step", "RandomOpInGraphError",
+__all__ = ["SavedTensor", "CapturedStep", "capture_step", "RandomOpInGraphError", "InputRole",
+           "StepGraphs", "capture_graph",
            "module_input_names", "module_inputs"]
 
 log = logging.getLogger("leancompile")
@@ -249,4 +251,285 @@ def capture_step(module: torch.nn.Module, args, *, memory_budget: float | None =
         forward=forward, backward=backward, inference=captured["inference"],
         input_names=input_names, num_module_inputs=len(names), num_outputs=num_outputs,
         differentiable_outputs=differentiable, saved=saved, memory_budget=memory_budget,
+        random_ops=random_ops)
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture of one Dynamo graph, for the LeanGRPO step wrapper (``leancompile.step``)
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputRole:
+    """One flat input of a Dynamo graph (what Dynamo passes its compiled function)."""
+
+    source: str
+    """Dynamo's name for where the value comes from (``L['x']``,
+    ``L['self']._modules['fc']._parameters['weight']``)."""
+    kind: str
+    """``param`` (an ``nn.Parameter``), ``buffer``, ``tensor`` (an argument or other tensor),
+    ``symint`` (a size) or ``other``."""
+    batch_rows: int = 0
+    """Rows per sample when dim 0 is the batch (a batch-major input), else 0."""
+
+
+@dataclass(kw_only=True)
+class StepGraphs:
+    """The forward, backward and inference graphs of one Dynamo graph, after the pass
+    pipeline, with their calling conventions and what the LeanGRPO stage found.
+
+    ``run_forward(args) -> outputs + saved``, ``run_backward(saved_for_bw + cotangents) ->
+    one gradient (or None) per input`` and ``run_inference(args) -> outputs`` take the flat
+    inputs Dynamo passes (``roles``) as a list."""
+
+    roles: list[InputRole]
+    num_outputs: int
+    output_types: list[str]
+    """Per user output: ``fresh``, ``input`` (the input at ``output_bases[i]`` itself) or
+    ``view`` (a view of that input)."""
+    output_bases: list[int | None]
+    differentiable: list[int]
+    """The outputs whose cotangents the backward takes, in order."""
+    saved_names: list[str]
+    bw_saved: list[int]
+    """For each saved value the backward takes, in its order, the index into ``saved``."""
+    run_forward: Callable | None
+    run_backward: Callable | None
+    run_inference: Callable
+    forward: fx.GraphModule | None
+    backward: fx.GraphModule | None
+    inference: fx.GraphModule
+    batch_symbol: object = None
+    layouts: dict = field(default_factory=dict)
+    """From the LeanGRPO stage: ``outputs`` and ``saved`` layouts (``RowLayout``, ``Mixed``,
+    ``None`` for batch-independent, ``"symint"``) and ``row_local`` (bool) with ``reason``."""
+    saved_meta: list = field(default_factory=list)
+    """Per saved value, its fake value (shapes with the batch symbol)."""
+    fingerprint: tuple = ()
+    """Hashes of what each output computes from the inputs' roles (inference graph)."""
+    sample_fingerprint: tuple = ()
+    """The same with ``sample_output`` treated as an input (see ``leancompile.step``)."""
+    key_inputs: list[int] = field(default_factory=list)
+    """Inputs the outputs depend on (parameters excluded)."""
+    sample_key_inputs: list[int] = field(default_factory=list)
+    """The same for ``sample_fingerprint`` (what the outputs but the sample depend on)."""
+    random_ops: list[str] = field(default_factory=list)
+    report: object = None
+
+    @property
+    def trainable(self) -> bool:
+        return self.run_backward is not None
+
+
+def _role(node: fx.Node, value) -> InputRole:
+    arg = node.meta.get("grapharg")
+    source = arg.source.name if arg is not None and getattr(arg, "source", None) is not None \
+        else node.name
+    if node.meta.get("leancompile_sample"):  # the update's sample argument (leancompile.step)
+        source = "<sample>"
+    if isinstance(value, torch.nn.Parameter):
+        kind = "param"
+    elif isinstance(value, torch.Tensor):
+        kind = "buffer" if "_buffers" in source else "tensor"
+    elif isinstance(value, (int, torch.SymInt)):
+        kind = "symint"
+    else:
+        kind = "other"
+    return InputRole(source=source, kind=kind)
+
+
+def _fake(node: fx.Node, value):
+    """A placeholder's value as Dynamo traced it (symbolic sizes), else the example value."""
+    fake = node.meta.get("example_value")
+    return fake if fake is not None else value
+
+
+def _batch_symbol(fakes, roles):
+    for value, role in zip(fakes, roles):
+        if role.kind == "tensor" and isinstance(value, torch.Tensor) and value.dim():
+            d0 = value.shape[0]
+            if isinstance(d0, torch.SymInt) and d0.node.expr.is_Symbol:
+                return d0.node.expr
+    return None
+
+
+def _structural_hashes(gm: fx.GraphModule, roles: list[InputRole], cut: int | None = None):
+    """(hash of each output, indices of the inputs the outputs depend on): a Merkle hash of the
+    computation behind every output, placeholders named by their role's source, so that two
+    traces of the same code hash alike whatever their node names. With ``cut``, that output's
+    node counts as an input named ``<sample>`` (what it computes is not compared) and is not
+    followed to the inputs."""
+    import hashlib
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index = {p: i for i, p in enumerate(placeholders)}
+    outs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    cut_node = outs[cut] if cut is not None and isinstance(outs[cut], fx.Node) else None
+    memo: dict[fx.Node, str] = {}
+
+    def value(a) -> str:
+        if isinstance(a, fx.Node):
+            return memo[a]
+        if isinstance(a, (list, tuple)):
+            return "[" + ",".join(value(x) for x in a) + "]"
+        if isinstance(a, dict):
+            return "{" + ",".join(f"{k}:{value(v)}" for k, v in sorted(a.items())) + "}"
+        if isinstance(a, torch.SymInt):
+            return f"sym({a.node.expr})"
+        return repr(a)
+
+    for node in gm.graph.nodes:  # topological: every input is hashed before its users
+        if node.op == "output":
+            continue
+        if node is cut_node:
+            memo[node] = "<sample>"
+        elif node.op == "placeholder":
+            memo[node] = f"in({roles[index[node]].source})"
+        else:
+            text = f"{node.op}:{node.target}:{value(node.args)}:{value(node.kwargs)}"
+            memo[node] = hashlib.sha256(text.encode()).hexdigest()[:32]
+    hashes = tuple(value(o) for o in outs)
+    reached, seen = set(), set()
+    stack = [o for o in outs if isinstance(o, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in seen or node is cut_node:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            reached.add(index[node])
+        stack.extend(node.all_input_nodes)
+    return hashes, sorted(reached)
+
+
+def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: str,
+                  sample_output: int | None = None) -> StepGraphs:
+    """Trace a Dynamo graph through AOTAutograd into forward + backward graphs (with grad) and
+    an inference graph (without), run ``graph_pass`` (leancompile's pipeline, a
+    ``LeanGraphPass``) on each and compile them with ``compiler`` (``aot_eager``: as they are;
+    ``inductor``: ``compile_fx_inner``, our pipeline as its custom post-grad pass).
+
+    A symbolic dim 0 of the tensor arguments is the batch: the LeanGRPO stage of the pipeline
+    finds which saved tensors hold it row by row (``passes/row_layout.py``)."""
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._guards import TracingContext
+    from torch._inductor.decomposition import select_decomp_table
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    roles = [_role(p, v) for p, v in zip(placeholders, example_inputs)]
+    fakes = [_fake(p, v) for p, v in zip(placeholders, example_inputs)]
+    symbol = _batch_symbol(fakes, roles)
+    if symbol is not None:
+        roles = [InputRole(source=r.source, kind=r.kind, batch_rows=1)
+                 if r.kind == "tensor" and isinstance(v, torch.Tensor) and v.dim()
+                 and isinstance(v.shape[0], torch.SymInt) and v.shape[0].node.expr == symbol
+                 else r for r, v in zip(roles, fakes)]
+    captured: dict = {}
+
+    def keep(name):
+        def compiler_fn(graph, inputs):
+            captured[name] = (graph, inputs)
+            if name == "forward":
+                ctx = TracingContext.try_get()
+                captured["meta"] = ctx.fw_metadata if ctx is not None else None
+            return make_boxed_func(graph.forward)
+        return compiler_fn
+
+    patches = {"force_non_lazy_backward_lowering": True, "enable_autograd_cache": False}
+    needs_grad = any(isinstance(v, torch.Tensor) and v.requires_grad for v in example_inputs)
+    for grad in ((True, False) if needs_grad else (False,)):
+        with torch._functorch.config.patch(**patches), torch.set_grad_enabled(grad):
+            aot_module_simplified(
+                gm, list(example_inputs), fw_compiler=keep("forward"),
+                bw_compiler=keep("backward"), inference_compiler=keep("inference"),
+                partition_fn=min_cut_rematerialization_partition,
+                decompositions=select_decomp_table())
+    inference, inf_inputs = captured["inference"]
+    fingerprint, reached = _structural_hashes(inference, roles)
+    sample_fp, sample_keys = (), []
+    if sample_output is not None and sample_output < len(fingerprint):
+        sample_fp, sample_reached = _structural_hashes(inference, roles, cut=sample_output)
+        sample_keys = [i for i in sample_reached if roles[i].kind != "param"]
+    key_inputs = [i for i in reached if roles[i].kind != "param"]
+
+    fw_meta = captured.get("meta")
+    forward = backward = None
+    num_outputs = len(next(n for n in inference.graph.nodes if n.op == "output").args[0])
+    output_types: list[str] = ["fresh"] * num_outputs
+    output_bases: list[int | None] = [None] * num_outputs
+    differentiable: list[int] = []
+    saved_names: list[str] = []
+    bw_saved: list[int] = []
+    random_ops: list[str] = []
+    if "backward" in captured and fw_meta is not None:
+        forward, _ = captured["forward"]
+        backward, _ = captured["backward"]
+        if fw_meta.num_mutated_inp_runtime_indices or fw_meta.num_intermediate_bases:
+            raise ValueError(
+                "the wrapped function mutates an input in place or returns a view of an "
+                "intermediate; return fresh tensors (e.g. .clone()) and do not write into its "
+                "arguments")
+        num_outputs = len(fw_meta.output_info)
+        for i, info in enumerate(fw_meta.output_info):
+            kind = info.output_type.name
+            if kind in ("non_alias", "unsafe_view_alias", "custom_function_view"):
+                continue
+            if kind == "is_input":
+                output_types[i], output_bases[i] = "input", info.base_idx
+            elif kind == "alias_of_input":
+                output_types[i], output_bases[i] = "view", info.base_idx
+            else:
+                raise ValueError(f"output {i} of the wrapped function aliases an intermediate "
+                                 f"({kind}); return a fresh tensor (e.g. .clone())")
+        differentiable = [i for i, info in enumerate(fw_meta.output_info) if info.requires_grad]
+        fw_out = next(n for n in forward.graph.nodes if n.op == "output").args[0]
+        saved_names = [n.name for n in fw_out[num_outputs:]]
+        bw_placeholders = [n.name for n in backward.graph.nodes if n.op == "placeholder"
+                           and not n.name.startswith("tangents")]
+        position = {name: i for i, name in enumerate(saved_names)}
+        bw_saved = [position[name] for name in bw_placeholders]
+        random_ops = _random_ops(forward)
+        forward.meta["lean_grpo"] = {
+            "num_outputs": num_outputs, "batch_symbol": symbol,
+            "batch_inputs": {i: r.batch_rows for i, r in enumerate(roles) if r.batch_rows}}
+    else:
+        random_ops = _random_ops(inference)
+
+    def compiled(graph, inputs, phase):
+        if graph is None:
+            return None
+        if compiler == "aot_eager":
+            graph.graph.eliminate_dead_code()
+            graph_pass.run_previous(graph.graph, is_inference=phase == "inference")
+            graph_pass.run(graph, phase=phase)
+            graph.recompile()
+            return lambda args: graph(*args)
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.virtualized import V
+
+        fakes = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"]
+        fake_mode = next((v.fake_mode for v in fakes if hasattr(v, "fake_mode")), None)
+        with V.set_fake_mode(fake_mode), inductor_config.patch(
+                post_grad_custom_pre_pass=graph_pass, fx_graph_cache=False):
+            out = compile_fx_inner(graph, fakes, is_backward=phase == "backward",
+                                   is_inference=phase == "inference")
+        return lambda args: out(list(args))
+
+    run_forward = compiled(forward, None, "forward")
+    layouts = dict(forward.meta.get("lean_grpo", {}).get("layouts", {})) \
+        if forward is not None else {}
+    saved_meta = []
+    if forward is not None:
+        fw_out = next(n for n in forward.graph.nodes if n.op == "output").args[0]
+        saved_meta = [n.meta.get("val") for n in fw_out[num_outputs:]]
+    run_backward = compiled(backward, None, "backward")
+    run_inference = compiled(inference, inf_inputs, "inference")
+    return StepGraphs(
+        roles=roles, num_outputs=num_outputs, output_types=output_types,
+        output_bases=output_bases, differentiable=differentiable, saved_names=saved_names,
+        bw_saved=bw_saved, run_forward=run_forward, run_backward=run_backward,
+        run_inference=run_inference, forward=forward, backward=backward, inference=inference,
+        batch_symbol=symbol, layouts=layouts, saved_meta=saved_meta, fingerprint=fingerprint,
+        sample_fingerprint=sample_fp, key_inputs=key_inputs, sample_key_inputs=sample_keys,
         random_ops=random_ops)

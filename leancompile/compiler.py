@@ -203,14 +203,24 @@ def aot_eager(graph_pass: LeanGraphPass):
     )
 
 
+def _no_schedule(options: CompileOptions, where: str) -> CompileOptions:
+    if options.schedule is not None:
+        raise ValueError(
+            f"{where} does not take schedule={options.schedule!r}: a LeanGRPO schedule needs "
+            "the rollout()/update() phases of the object leancompile.lean_compile(fn, "
+            "schedule=...) returns; wrap the policy function with that")
+    return options
+
+
 def backend(**options) -> LeanBackend:
     """A ``torch.compile`` backend running leancompile's passes.
 
     Options (all keyword): ``compiler`` (``"inductor"`` default, or ``"aot_eager"``),
-    ``disable`` (pass names to skip), ``overlap``, ``schedule``. Unknown names raise
-    ``TypeError``. Example: ``torch.compile(model, backend=leancompile.backend(disable=...))``.
+    ``disable`` (pass names to skip), ``overlap``, ``variant``, ``chunks_per_rank``,
+    ``chunks``, ``on_error``. Unknown names raise ``TypeError``. Example:
+    ``torch.compile(model, backend=leancompile.backend(disable=...))``.
     """
-    return LeanBackend(CompileOptions.from_kwargs(**options))
+    return LeanBackend(_no_schedule(CompileOptions.from_kwargs(**options), "backend()"))
 
 
 def leancompile_backend(gm: fx.GraphModule, example_inputs, *, options: dict | None = None,
@@ -225,6 +235,7 @@ def leancompile_backend(gm: fx.GraphModule, example_inputs, *, options: dict | N
 
 
 _TORCH_COMPILE_KWARGS = ("fullgraph", "dynamic")
+_STEP_KWARGS = ("sample_output", "sample_arg", "memory_budget_bytes", "memory_fraction")
 
 
 def lean_compile(fn=None, *, backend: str = "inductor", **options):
@@ -233,17 +244,39 @@ def lean_compile(fn=None, *, backend: str = "inductor", **options):
 
     ``backend`` is what compiles the graphs after our passes (``"inductor"`` or
     ``"aot_eager"``). The leancompile options (``overlap``, ``variant``, ``chunks_per_rank``,
-    ``chunks``, ``schedule``, ``disable``) are those of ``leancompile.backend``; ``fullgraph``
-    and ``dynamic`` go to ``torch.compile``; any other keyword raises ``TypeError``.
+    ``chunks``, ``on_error``, ``disable``) are those of ``leancompile.backend``; ``fullgraph``
+    and ``dynamic`` go to ``torch.compile``.
+
+    With ``schedule=`` (``"auto"``, ``"retain"``, ``"reweight"``, ``"recompute"``) the result is
+    a ``leancompile.step.LeanStep``: the function as compiled, plus ``rollout()`` and
+    ``update()`` phases in which an update call reuses the rollout's forward (LeanGRPO). It
+    also takes ``sample_output`` and ``sample_arg`` (a step that draws its sample inside),
+    ``memory_budget_bytes`` and ``memory_fraction`` (``auto``'s budget); see
+    ``leancompile.step``. Any other keyword raises ``TypeError``.
     """
     compile_kwargs = {k: options.pop(k) for k in _TORCH_COMPILE_KWARGS if k in options}
+    step_kwargs = {k: options.pop(k) for k in _STEP_KWARGS if k in options}
     if "compiler" in options:
         raise TypeError("lean_compile takes backend=..., not compiler=...")
     try:
-        lean_backend = LeanBackend(CompileOptions.from_kwargs(compiler=backend, **options))
+        compile_options = CompileOptions.from_kwargs(compiler=backend, **options)
     except TypeError as err:
-        raise TypeError(f"lean_compile: {err}; it also takes backend and the torch.compile "
-                        f"options {list(_TORCH_COMPILE_KWARGS)}") from None
+        raise TypeError(f"lean_compile: {err}; it also takes backend, the torch.compile "
+                        f"options {list(_TORCH_COMPILE_KWARGS)} and, with schedule=, "
+                        f"{list(_STEP_KWARGS)}") from None
+    if step_kwargs and compile_options.schedule is None:
+        raise TypeError(f"lean_compile: {sorted(step_kwargs)} go with schedule=...")
+    if compile_options.schedule is not None:
+        from .step import LeanStep, StepConfig
+
+        config = StepConfig(schedule=compile_options.schedule, **step_kwargs)
+
+        def wrap_step(target):
+            return LeanStep(target, options=compile_options, config=config,
+                            compile_kwargs=compile_kwargs)
+
+        return wrap_step if fn is None else wrap_step(fn)
+    lean_backend = LeanBackend(compile_options)
 
     def wrap(target):
         if not callable(target):
@@ -302,4 +335,4 @@ def install(**options) -> Installation:
     if "compiler" in options:
         raise TypeError("install() hooks into Inductor, so it takes no compiler option; use "
                         "torch.compile(..., backend=leancompile.backend(compiler=...)) instead")
-    return Installation(CompileOptions.from_kwargs(**options))
+    return Installation(_no_schedule(CompileOptions.from_kwargs(**options), "install()"))

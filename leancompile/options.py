@@ -11,7 +11,7 @@ COMPILERS = ("inductor", "aot_eager")
 # Values later passes will accept; until they land, anything but None is refused with a reason.
 _OVERLAP_VALUES: tuple = (None, "flash", "slice")
 _VARIANTS = ("ring", "direct")
-_SCHEDULE_VALUES: tuple = (None,)
+_SCHEDULE_VALUES: tuple = (None, "auto", "retain", "reweight", "recompute")
 _ON_ERROR_VALUES = ("skip", "raise")
 
 
@@ -51,8 +51,10 @@ class CompileOptions:
     which has the same effect)."""
 
     schedule: str | None = None
-    """LeanGRPO schedule for policy steps. Not a compile option in this version: use
-    ``leancompile.grpo.GRPOTrainer``."""
+    """LeanGRPO schedule of a step wrapped by ``lean_compile(fn, schedule=...)``: ``auto``,
+    ``retain``, ``reweight`` or ``recompute`` (see ``leancompile.step``); turns on the
+    ``lean_grpo`` stage of the pipeline. ``backend()`` and ``install()`` refuse it: the
+    rollout/update phases live on the object ``lean_compile`` returns."""
 
     def __post_init__(self):
         from .passes import pass_names
@@ -84,9 +86,7 @@ class CompileOptions:
                              f"{_ON_ERROR_VALUES}")
         if self.schedule not in _SCHEDULE_VALUES:
             raise ValueError(
-                f"schedule={self.schedule!r} is not a compile option in this version: LeanGRPO "
-                "schedules run through leancompile.grpo.GRPOTrainer(config=GRPOConfig("
-                "schedule=...)); leave schedule=None here")
+                f"schedule={self.schedule!r} is not supported; use one of {_SCHEDULE_VALUES}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "CompileOptions":

@@ -12,13 +12,14 @@ from typing import Callable
 
 import torch.fx as fx
 
-from . import canonicalize, flash_overlap
+from . import canonicalize, flash_overlap, lean_grpo
 from .canonicalize import canonicalize_pass
 from .flash_overlap import flash_overlap_pass
+from .lean_grpo import lean_grpo_pass
 from .result import PassResult, Site
 
 __all__ = ["PassSpec", "PASSES", "pass_names", "canonicalize_pass", "flash_overlap_pass",
-           "PassResult", "Site"]
+           "lean_grpo_pass", "PassResult", "Site"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +42,11 @@ class PassSpec:
 PASSES: tuple[PassSpec, ...] = (
     PassSpec(name=canonicalize.NAME, fn=canonicalize_pass, version=canonicalize.VERSION,
              doc="views to reshape, dead pure code dropped", module_file=canonicalize.__file__),
+    # Before FlashOverlap: it reads the forward graph's rows as the model computes them.
+    PassSpec(name=lean_grpo.NAME, fn=lean_grpo_pass, version=lean_grpo.VERSION,
+             doc="LeanGRPO (schedule=...): which outputs and saved tensors of a wrapped step "
+                 "an update can reuse, row by row", module_file=lean_grpo.__file__,
+             active=lambda options: options.schedule is not None),
     PassSpec(name=flash_overlap.NAME, fn=flash_overlap_pass, version=flash_overlap.VERSION,
              doc="FlashOverlap (overlap='flash'|'slice'): collectives around matmuls to P2P "
                  "schedules", module_file=flash_overlap.__file__,

@@ -30,13 +30,66 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import torch
+
+from .result import PassResult
+
 __all__ = ["PlanOp", "SchedulePlan", "StepCosts", "ScheduleReport", "build_schedule_plans",
-           "choose_schedule", "graph_flops", "SCHEDULES", "VERSION"]
+           "choose_schedule", "graph_flops", "lean_grpo_pass", "SCHEDULES", "VERSION", "NAME"]
 
 log = logging.getLogger("leancompile")
 
-VERSION = 1
+NAME = "lean_grpo"
+VERSION = 2
 SCHEDULES = ("recompute", "retain", "reweight")
+SITE = "kept for reuse"
+
+
+def lean_grpo_pass(gm, options=None) -> PassResult:
+    """The LeanGRPO stage of the pipeline, on the forward graph of a step wrapped by
+    ``lean_compile(schedule=...)`` (``gm.meta["lean_grpo"]`` says how many outputs it has and
+    which inputs hold the batch): which outputs and saved tensors an update may reuse, and how.
+
+    Every saved tensor and output is a site: rewritten (planned for reuse) when it holds the
+    batch row by row (``RowLayout``: the rows of any regrouped batch can be gathered) or does not
+    depend on the batch; skipped, with the reason, when rows of different samples meet in it
+    (then a kept call serves only an update call with exactly its rows). Writes the layouts to
+    ``gm.meta["lean_grpo"]`` for the step wrapper. Other graphs: nothing to do. The graph itself
+    is not changed (a planning stage)."""
+    from .row_layout import Mixed, RowLayout, find_row_layouts
+
+    result = PassResult(name=NAME)
+    info = getattr(gm, "meta", {}).get("lean_grpo")
+    if info is None or "layouts" in info:
+        return result
+    n = info["num_outputs"]
+    outs = list(next(node for node in gm.graph.nodes if node.op == "output").args[0])
+    symbol = info["batch_symbol"]
+    state = find_row_layouts(gm, info["batch_inputs"], symbol) if symbol is not None else {}
+    layouts = []
+    reasons = []
+    for i, node in enumerate(outs):
+        what = f"output {i}" if i < n else f"saved {node.name}"
+        val = node.meta.get("val") if hasattr(node, "meta") else node
+        if not isinstance(val, torch.Tensor):
+            layouts.append("symint")
+            continue
+        if symbol is None:
+            layout = Mixed("the batch size is static (1 or not marked): a kept call serves "
+                           "update calls of exactly its rows")
+        else:
+            layout = state.get(node)
+        layouts.append(layout)
+        if isinstance(layout, Mixed):
+            reasons.append(f"{what}: {layout.reason}")
+            result.skip(node, SITE, f"{what} ({tuple(val.shape)}): {layout.reason}; a kept "
+                        "call serves only an update call with exactly its rows")
+        else:
+            how = str(layout) if isinstance(layout, RowLayout) else "no batch dim"
+            result.rewrite(node, f"{SITE}: {how}")
+    info["layouts"] = {"outputs": layouts[:n], "saved": layouts[n:],
+                       "row_local": not reasons, "reason": reasons[0] if reasons else ""}
+    return result
 
 
 @dataclass(frozen=True, kw_only=True)

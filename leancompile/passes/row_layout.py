@@ -1,0 +1,399 @@
+"""Which tensors of a forward graph hold the batch row by row: the analysis that lets LeanGRPO
+serve any regrouping of a rollout's rows from what the rollout kept.
+
+The graph is traced with a symbolic batch size ``s`` (dim 0 of the batch-major inputs). Every
+node gets a layout:
+
+- ``None``: does not depend on the batch (parameters, batch-independent inputs and what is
+  computed from them alone);
+- ``RowLayout(outer, inner)``: dim 0 has ``outer * s * inner`` entries, sample ``r``'s entries
+  at ``(o * s + r) * inner + i``. ``(1, 1)``: one row per sample; ``(1, 16)``: 16 consecutive
+  rows per sample (``[s, 16, d]`` flattened to ``[16*s, d]``); ``(2, 1)``: classifier-free
+  guidance's ``cat([uncond, cond])``, the samples twice;
+- ``Mixed(reason)``: rows of different samples meet (a reduction over the batch, a softmax over
+  dim 0, ``arange(s)``, batch norm in training mode, the batch moved out of dim 0), or an op
+  this analysis does not follow along dim 0.
+
+Why it is sound: a node whose batch-carrying inputs all have one layout and whose op works on
+each dim-0 entry separately (pointwise ops, matmuls with the batch in the rows, reductions and
+normalisations over other dims, attention over other dims) computes sample ``r``'s entries from
+sample ``r``'s entries only, so the entries of a gathered batch equal what the same op computes
+on that batch. Reshapes, permutations, slices, splits and concatenations move dim-0 entries in
+ways the layout tracks exactly; anything else that touches dim 0 is ``Mixed``. A tensor made
+without batch-carrying inputs but with ``s`` in its shape is only accepted from constant fills
+and expands (every row the same), never from ``arange`` or random ops.
+
+``find_row_layouts(gm, batch_inputs, batch_symbol)`` returns the layout of every node; the
+LeanGRPO pass (``lean_grpo.py``) reads those of the outputs and saved tensors.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+__all__ = ["RowLayout", "Mixed", "find_row_layouts", "layout_of_shape"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """dim 0 = ``outer * s * inner``; sample r's entries at ``(o * s + r) * inner + i``."""
+
+    outer: int
+    inner: int
+
+    def __str__(self) -> str:
+        if self.outer == 1:
+            return "one row per sample" if self.inner == 1 else f"{self.inner} rows per sample"
+        return f"{self.outer} blocks of {self.inner} row(s) per sample"
+
+
+@dataclass(frozen=True)
+class Mixed:
+    """Rows of different samples meet, or the batch leaves dim 0; ``reason`` says where."""
+
+    reason: str
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_FILLS = (aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
+          aten.new_full.default, aten.new_zeros.default, aten.new_ones.default,
+          aten.new_empty.default, aten.expand.default, aten.empty_strided.default,
+          aten.full_like.default, aten.zeros_like.default, aten.ones_like.default,
+          aten.empty_like.default, aten.scalar_tensor.default)
+# Ops that move or combine entries along a dim given as an argument: along dim 0 they mix rows.
+_ALONG_DIM = {
+    aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default,
+    aten.logcumsumexp.default, aten.sort.default, aten.sort.stable, aten.topk.default,
+    aten.flip.default, aten.roll.default, aten.gather.default,
+    aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter_reduce.two,
+    aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.log_softmax.int,
+    aten.index_add.default, aten.index_copy.default, aten.index_fill.int_Scalar,
+    aten.argmax.default, aten.argmin.default,
+}
+_BATCH_MIXING = {aten._native_batch_norm_legit_functional.default,
+                 aten._native_batch_norm_legit.default, aten.native_batch_norm.default,
+                 aten._native_batch_norm_legit_no_training.default,
+                 aten.index_put.default, aten.arange.default,
+                 aten.arange.start, aten.arange.start_step, aten.randperm.default}
+_LOOKUPS = {aten.index.Tensor, aten.index_select.default, aten.embedding.default}
+_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
+            aten.baddbmm.default: (1, 2)}
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _has(expr, symbol) -> bool:
+    if isinstance(expr, torch.SymInt):
+        expr = expr.node.expr
+    return isinstance(expr, sympy.Basic) and symbol in expr.free_symbols
+
+
+def _expr(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+
+
+def layout_of_shape(shape, symbol) -> RowLayout | Mixed | None:
+    """The row count per sample of a shape alone: ``None`` without ``s``; ``RowLayout(1, k)``
+    when dim 0 is ``k*s`` and no other dim holds ``s``; ``Mixed`` otherwise."""
+    if not any(_has(d, symbol) for d in shape):
+        return None
+    if any(_has(d, symbol) for d in shape[1:]):
+        return Mixed(f"the batch is outside dim 0 (shape {tuple(shape)})")
+    ratio = sympy.simplify(_expr(shape[0]) / symbol)
+    if not (ratio.is_Integer and ratio > 0):
+        return Mixed(f"dim 0 is {shape[0]}, not a multiple of the batch size")
+    return RowLayout(1, int(ratio))
+
+
+def _dim0(layout: RowLayout, symbol):
+    return layout.outer * symbol * layout.inner
+
+
+def _arg(node, index, name, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _norm(dim, ndim):
+    return dim + ndim if isinstance(dim, int) and dim < 0 else dim
+
+
+def _touches_dim0(node: fx.Node, x) -> bool:
+    """Whether an op's ``dim``/``dims`` argument names dim 0 of its first input."""
+    ndim = len(_val(x).shape) if isinstance(_val(x), torch.Tensor) else 1
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return True
+    for i, arg in enumerate(schema.arguments):
+        if arg.name not in ("dim", "dims", "dimension"):
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if value is None:  # None: all dims
+            return True
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(_norm(v, ndim) == 0 for v in values):
+            return True
+    return False
+
+
+class _Analysis:
+    def __init__(self, gm: fx.GraphModule, batch_inputs: dict[int, int], symbol):
+        self.gm = gm
+        self.symbol = symbol
+        self.batch_inputs = batch_inputs
+        self.state: dict[fx.Node, object] = {}
+
+    def run(self) -> dict[fx.Node, object]:
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        for i, node in enumerate(placeholders):
+            self.state[node] = RowLayout(1, self.batch_inputs[i]) if i in self.batch_inputs \
+                else None
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function":
+                self.state[node] = self.visit(node)
+        return self.state
+
+    # -- one node ---------------------------------------------------------------------------
+    def visit(self, node: fx.Node):
+        inputs = [a for a in node.all_input_nodes]
+        layouts = [self.state.get(a) for a in inputs]
+        for layout in layouts:
+            if isinstance(layout, Mixed):
+                return layout
+        val = _val(node)
+        if node.target is operator.getitem:
+            source = self.state.get(node.args[0])
+            if isinstance(source, tuple):
+                return source[node.args[1]]
+            return source
+        carrying = [a for a, lay in zip(inputs, layouts) if isinstance(lay, (RowLayout, tuple))]
+        if isinstance(val, (tuple, list)):
+            return self.multi(node, carrying, val)
+        if not isinstance(val, torch.Tensor):
+            return None
+        shaped = layout_of_shape(val.shape, self.symbol)
+        if not carrying:
+            if shaped is None:
+                return None
+            if node.target in _FILLS:
+                return shaped
+            return Mixed(f"{_name(node)} makes a batch-sized tensor from no batch input")
+        if isinstance(shaped, Mixed):
+            return Mixed(f"{_name(node)}: {shaped.reason}")
+        if shaped is None:
+            return Mixed(f"{_name(node)} reduces over the batch (output shape "
+                         f"{tuple(val.shape)})")
+        return self.single(node, carrying, shaped, val)
+
+    def multi(self, node, carrying, vals):
+        if not carrying:
+            shapes = [layout_of_shape(v.shape, self.symbol) if isinstance(v, torch.Tensor)
+                      else None for v in vals]
+            if all(s is None for s in shapes):
+                return tuple(None for _ in vals)
+            return Mixed(f"{_name(node)} makes batch-sized tensors from no batch input")
+        target = node.target
+        if target in (aten.split.Tensor, aten.split_with_sizes.default,
+                      aten.unbind.int, aten.chunk.default):
+            return self.split(node, carrying, vals)
+        if target in _BATCH_MIXING or (target in _ALONG_DIM and _touches_dim0(node, carrying[0])):
+            return Mixed(f"{_name(node)} combines entries along the batch dim")
+        base = self.state[carrying[0]]
+        out = []
+        for v in vals:
+            if not isinstance(v, torch.Tensor):
+                out.append(None)
+                continue
+            shaped = layout_of_shape(v.shape, self.symbol)
+            if shaped is None:
+                out.append(Mixed(f"{_name(node)} reduces over the batch"))
+            elif isinstance(shaped, Mixed) or _dim0_of(v) != _dim0(base, self.symbol):
+                out.append(Mixed(f"{_name(node)} changes dim 0 ({_dim0_of(v)})")
+                           if not isinstance(shaped, Mixed) else shaped)
+            else:
+                out.append(base)
+        return tuple(out)
+
+    def split(self, node, carrying, vals):
+        x = node.args[0]
+        layout = self.state[x]
+        dim = _norm(_arg(node, 2, "dim", 0) if node.target is not aten.unbind.int
+                    else _arg(node, 1, "dim", 0), len(_val(x).shape))
+        if dim != 0:
+            return tuple(layout for _ in vals)
+        block = self.symbol * layout.inner
+        out, start = [], sympy.Integer(0)
+        for v in vals:
+            size = _expr(v.shape[0]) if v.dim() else sympy.Integer(1)
+            first = sympy.simplify(start / block)
+            count = sympy.simplify(size / block)
+            start = start + size
+            if first.is_Integer and count.is_Integer and count > 0:
+                out.append(RowLayout(int(count), layout.inner))
+            else:
+                out.append(Mixed(f"{_name(node)} splits dim 0 inside a block of samples"))
+        return tuple(out)
+
+    def single(self, node, carrying, shaped: RowLayout, val):
+        target = node.target
+        symbol = self.symbol
+        first = self.state[carrying[0]]
+        if target in _BATCH_MIXING:
+            return Mixed(f"{_name(node)} combines entries along the batch dim")
+        if target in _LOOKUPS:
+            return self.lookup(node, val)
+        if target in _ALONG_DIM and _touches_dim0(node, carrying[0]):
+            return Mixed(f"{_name(node)} works along dim 0, the batch")
+        if target in _VIEWS:
+            return self.reshape(node, first, val)
+        if target in (aten.permute.default, aten.transpose.int, aten.t.default):
+            dims = (list(node.args[1]) if target is aten.permute.default else
+                    [1, 0] if target is aten.t.default else None)
+            if target is aten.transpose.int:
+                ndim = len(_val(node.args[0]).shape)
+                a, b = (_norm(d, ndim) for d in node.args[1:3])
+                moved = 0 in (a, b) and a != b
+            else:
+                moved = _norm(dims[0], len(dims)) != 0
+            return Mixed(f"{_name(node)} moves the batch out of dim 0") if moved else first
+        if target is aten.slice.Tensor:
+            return self.slice(node, first)
+        if target is aten.cat.default:
+            return self.cat(node)
+        if target in _MATMULS:
+            a_index, b_index = _MATMULS[target]
+            a, b = node.args[a_index], node.args[b_index]
+            a_layout, b_layout = self.state.get(a), self.state.get(b)
+            if target in (aten.mm.default, aten.addmm.default) and b_layout is not None:
+                return Mixed(f"{_name(node)}: the batch is in the weight operand")
+            if target is aten.addmm.default and self.state.get(node.args[0]) is not None:
+                return Mixed(f"{_name(node)}: a batch-dependent bias")
+            if target in (aten.bmm.default, aten.baddbmm.default) and b_layout is not None \
+                    and b_layout != a_layout:
+                return Mixed(f"{_name(node)}: operands with different row layouts")
+            if a_layout is None:
+                return Mixed(f"{_name(node)}: the batch is in the weight operand")
+            return a_layout
+        if target in (aten.expand.default,):
+            return first if _dim0_of(val) == _dim0(first, symbol) else \
+                Mixed(f"{_name(node)} expands dim 0")
+        # Any other op: dim 0 kept as it is, every batch-carrying input in one layout.
+        dim0 = _dim0_of(val)
+        for arg in carrying:
+            lay = self.state[arg]
+            arg_dim0 = _dim0_of(_val(arg))
+            if sympy.simplify(arg_dim0 - dim0) != 0:
+                if sympy.simplify(arg_dim0 - 1) == 0:  # broadcast from a size-1 dim 0
+                    continue
+                return Mixed(f"{_name(node)} changes dim 0 from {arg_dim0} to {dim0}")
+            if lay != first:
+                return Mixed(f"{_name(node)} combines tensors with different row layouts "
+                             f"({first} and {lay})")
+        return first
+
+    def lookup(self, node, val):
+        """Indexing: rows looked up in a batch-independent table by batch-carrying indices
+        (``sigmas[step_index]``, an embedding) follow the indices' rows; a batch-carrying
+        tensor indexed on later dims by batch-independent indices keeps its rows."""
+        target = node.target
+        if target is aten.embedding.default:
+            table, index = node.args[0], node.args[1]
+            indices, source = [index], table
+        elif target is aten.index_select.default:
+            source, dim, index = node.args[0], node.args[1], node.args[2]
+            ndim = len(_val(source).shape)
+            indices = [index] if _norm(dim, ndim) == 0 else [None] * _norm(dim, ndim) + [index]
+        else:  # aten.index.Tensor
+            source, indices = node.args[0], list(node.args[1])
+        src = self.state.get(source)
+        idx = [self.state.get(i) if isinstance(i, fx.Node) else None for i in indices]
+        if src is None and indices and indices[0] is not None and isinstance(idx[0], RowLayout) \
+                and all(i is None for i in indices[1:]):
+            return idx[0] if _dim0_of(val) == _dim0_of(_val(indices[0])) else \
+                Mixed(f"{_name(node)} indexes with a multi-dim batch index")
+        if isinstance(src, RowLayout) and (not indices or indices[0] is None) and \
+                all(lay is None for lay in idx) and _dim0_of(val) == _dim0_of(_val(source)):
+            return src
+        return Mixed(f"{_name(node)} indexes along the batch dim")
+
+    def reshape(self, node, layout: RowLayout, val):
+        source = _val(node.args[0])
+        symbol = self.symbol
+        rest_in = sympy.Integer(1)
+        for d in source.shape[1:]:
+            rest_in *= _expr(d)
+        rest_out = sympy.Integer(1)
+        for d in val.shape[1:]:
+            rest_out *= _expr(d)
+        per_sample = sympy.simplify(layout.inner * rest_in / rest_out)
+        dim0 = _expr(val.shape[0])
+        if per_sample.is_Integer and per_sample > 0 and \
+                sympy.simplify(dim0 - layout.outer * symbol * per_sample) == 0:
+            return RowLayout(layout.outer, int(per_sample))
+        return Mixed(f"{_name(node)} reshapes dim 0 across samples "
+                     f"({tuple(source.shape)} -> {tuple(val.shape)})")
+
+    def slice(self, node, layout: RowLayout):
+        x = node.args[0]
+        ndim = len(_val(x).shape)
+        dim = _norm(_arg(node, 1, "dim", 0), ndim)
+        if dim != 0:
+            return layout
+        start, end = _arg(node, 2, "start", 0) or 0, _arg(node, 3, "end", None)
+        step = _arg(node, 4, "step", 1)
+        size = _dim0(layout, self.symbol)
+        start = _expr(_val(start) if isinstance(start, fx.Node) else start)
+        end = size if end is None else _expr(_val(end) if isinstance(end, fx.Node) else end)
+        if isinstance(end, sympy.Integer) and int(end) >= 2 ** 62:
+            end = size
+        block = self.symbol * layout.inner
+        first, last = sympy.simplify(start / block), sympy.simplify(end / block)
+        if step == 1 and first.is_Integer and last.is_Integer and last > first:
+            return RowLayout(int(last - first), layout.inner)
+        return Mixed(f"{_name(node)} slices dim 0 inside a block of samples")
+
+    def cat(self, node):
+        tensors = list(node.args[0])
+        ndim = len(_val(tensors[0]).shape)
+        dim = _norm(_arg(node, 1, "dim", 0), ndim)
+        layouts = [self.state.get(t) for t in tensors]
+        if dim != 0:
+            carrying = [lay for lay in layouts if lay is not None]
+            if any(lay != carrying[0] for lay in carrying) or len(carrying) != len(layouts):
+                return Mixed(f"{_name(node)} joins tensors of different row layouts")
+            return carrying[0]
+        if any(lay is None for lay in layouts):
+            return Mixed(f"{_name(node)} adds rows that are not samples' to dim 0")
+        inner = {lay.inner for lay in layouts}
+        if len(inner) != 1:
+            return Mixed(f"{_name(node)} joins blocks of different row counts")
+        return RowLayout(sum(lay.outer for lay in layouts), inner.pop())
+
+
+def _dim0_of(val):
+    return _expr(val.shape[0]) if isinstance(val, torch.Tensor) and val.dim() else \
+        sympy.Integer(1)
+
+
+def _name(node: fx.Node) -> str:
+    target = node.target
+    label = str(target) if hasattr(target, "_schema") else getattr(target, "__name__", target)
+    return f"{label} at {node.name}"
+
+
+def find_row_layouts(gm: fx.GraphModule, batch_inputs: dict[int, int],
+                     batch_symbol) -> dict[fx.Node, object]:
+    """The layout of every node of ``gm`` (see the module docstring). ``batch_inputs`` maps the
+    index of each batch-major placeholder to its rows per sample; ``batch_symbol`` is the sympy
+    symbol of the batch size in the graph's shapes."""
+    return _Analysis(gm, batch_inputs, batch_symbol).run()

@@ -1,0 +1,114 @@
+"""What a reused forward needs at run time: row fingerprints, row gathering, and the autograd
+node that stands for a forward that did not run again.
+
+``row_hashes(t, batch)`` gives one 64-bit fingerprint per sample of a batch-major tensor (the
+raw bits of its rows, weighted and summed in integer arithmetic on the tensor's device); equal
+rows always hash alike, and a match is confirmed with ``torch.equal`` before anything is
+reused, so a collision can cost a lookup but never a wrong value.
+
+``gather_rows(pieces, outer, inner)`` builds a batch from rows of kept tensors: each piece is a
+``(tensor, batch, rows)`` triple, the tensor's dim 0 laid out as ``outer`` blocks of ``batch``
+samples of ``inner`` rows (``passes/row_layout.py``); the result has the pieces' rows, in order,
+in the same layout.
+
+``Reused.apply(backward_fn, outputs, *inputs)`` returns ``outputs`` as the outputs of an
+autograd node whose backward is ``backward_fn(cotangents) -> grads of inputs``: the update's
+loss differentiates through what the rollout kept.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["row_hashes", "whole_hash", "gather_rows", "Reused", "storage_bytes"]
+
+_WEIGHTS: dict = {}
+
+
+def _weights(n: int, device) -> Tensor:
+    key = (n, str(device))
+    w = _WEIGHTS.get(key)
+    if w is None:
+        g = torch.Generator().manual_seed(0x5EED + n)
+        w = torch.randint(1, 2 ** 62, (n,), generator=g, dtype=torch.int64).to(device)
+        _WEIGHTS[key] = w
+    return w
+
+
+def _as_words(t: Tensor, rows: int) -> Tensor:
+    """The bits of ``t`` as ``[rows, words]`` int64 (whatever its dtype)."""
+    flat = t.detach().contiguous().reshape(rows, -1)
+    as_bytes = flat.view(torch.uint8)
+    nbytes = as_bytes.shape[1]
+    for dtype, size in ((torch.int32, 4), (torch.int16, 2)):
+        if nbytes % size == 0:
+            return as_bytes.view(dtype).to(torch.int64)
+    return as_bytes.to(torch.int64)
+
+
+def row_hashes(t: Tensor, batch: int) -> list[int]:
+    """One fingerprint per sample of ``t``, whose dim 0 holds ``batch`` samples (any number of
+    rows each, sample-major)."""
+    if batch == 0:
+        return []
+    words = _as_words(t, batch)
+    if words.shape[1] == 0:
+        return [0] * batch
+    return (words * _weights(words.shape[1], words.device)).sum(1).tolist()
+
+
+def whole_hash(t: Tensor) -> int:
+    """One fingerprint of a whole tensor (with its shape and dtype)."""
+    words = _as_words(t, 1)
+    body = int((words * _weights(words.shape[1], words.device)).sum()) if words.shape[1] else 0
+    return hash((body, tuple(t.shape), str(t.dtype)))
+
+
+def gather_rows(pieces: list[tuple[Tensor, int, list[int]]], outer: int, inner: int) -> Tensor:
+    """The rows ``rows`` of each ``(tensor, batch, rows)`` piece, concatenated in order, for
+    tensors whose dim 0 is ``outer`` blocks of ``batch`` samples of ``inner`` rows."""
+    parts = []
+    for tensor, batch, rows in pieces:
+        blocks = tensor.reshape(outer, batch, inner, *tensor.shape[1:])
+        if rows == list(range(batch)):
+            parts.append(blocks)
+        else:
+            index = torch.tensor(rows, device=tensor.device)
+            parts.append(blocks.index_select(1, index))
+    joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return joined.reshape(-1, *joined.shape[3:]).contiguous()
+
+
+def storage_bytes(tensors, exclude=()) -> int:
+    """Bytes of the distinct storages behind ``tensors``, leaving out those shared with any
+    tensor in ``exclude`` (inputs and parameters the caller holds anyway)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude if isinstance(t, Tensor)}
+    seen = {}
+    for t in tensors:
+        if isinstance(t, Tensor):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in skip:
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class Reused(torch.autograd.Function):
+    """Outputs of a forward that did not run again; backward through ``backward_fn``."""
+
+    @staticmethod
+    def forward(ctx, backward_fn, outputs, *inputs):
+        ctx.backward_fn = backward_fn
+        ctx.set_materialize_grads(False)
+        results = tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
+        non_diff = [o for o in results if isinstance(o, Tensor) and not o.is_floating_point()
+                    and not o.is_complex()]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return results
+
+    @staticmethod
+    def backward(ctx, *cotangents):
+        grads = ctx.backward_fn(list(cotangents))
+        ctx.backward_fn = None  # a second backward through it is an error, as for any graph
+        return (None, None, *grads)

@@ -1,0 +1,898 @@
+"""LeanGRPO in the loops users already own: ``lean_compile(fn, schedule=...)``.
+
+FlowGRPO- and DanceGRPO-style trainers sample trajectories under ``no_grad``, score them, then
+run the model again on every trained step to get gradients. On-policy that second forward
+computes what the rollout already computed. Wrap the function both phases call (the model's
+velocity, or a whole step: velocity + SDE transition + log-prob) and mark the two phases::
+
+    step = leancompile.lean_compile(transformer_velocity, schedule="auto")
+    with step.rollout(train=range(n_train)):     # the sampling loop, unchanged
+        with torch.no_grad():
+            for k in range(T):
+                v = step(x, t[k], cond)
+                ...
+    with step.update():                           # the training loop, unchanged
+        for batch in shuffled_minibatches:
+            v = step(x_b, t_b, cond_b)            # no forward: the rollout's outputs
+            loss(v).backward()                    # backward through what the rollout kept
+            ...
+
+How a call runs (each Dynamo graph of the function is captured by ``capture.capture_graph``
+into forward, backward and inference graphs through the pass pipeline):
+
+- outside both phases: as ``torch.compile`` would (inference graph under ``no_grad``,
+  forward + backward with autograd otherwise);
+- ``rollout``: calls chosen by ``train`` run the forward graph and keep what the schedule
+  needs: ``retain`` the saved activations, ``reweight`` one gradient per trained row of every
+  per-row scalar output (a log-prob), taken at once; the other calls run the inference graph.
+  ``auto`` retains while the kept bytes fit the memory budget, then reweights (when the step has
+  a per-row scalar output) or keeps nothing;
+- ``update``: a call whose every row equals a kept row (same computation: a structural hash of
+  the graph; same inputs: row fingerprints confirmed with ``torch.equal``; same parameter
+  versions) returns the kept outputs without running a forward; its backward runs the kept
+  backward graph (whole kept calls as they are, or the rows of any regrouping gathered when the
+  LeanGRPO stage proved the graph keeps samples' rows apart) or sums the kept per-row gradients
+  weighted by the incoming cotangents. Every other call is recomputed, and counted with its
+  reason in ``step.stats``.
+
+A step that draws its sample inside (FlowGRPO's and DanceGRPO's SDE steps when no
+``prev_sample`` is given) declares it: ``sample_output`` is the output holding the drawn sample,
+``sample_arg`` the keyword the update passes it back in. A rollout call and an update call then
+match when the update graph computes, from the sample, exactly what the rollout graph computes
+from the value it drew (the rollout graph's sample output is hashed as an input).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+from .capture import RandomOpInGraphError, StepGraphs, capture_graph
+from .compiler import LeanGraphPass
+from .options import CompileOptions
+from .report import Report, record_report
+from .runtime.reuse import Reused, gather_rows, row_hashes, storage_bytes, whole_hash
+
+__all__ = ["LeanStep", "StepConfig", "StepStats", "SCHEDULES"]
+
+log = logging.getLogger("leancompile")
+
+SCHEDULES = ("auto", "retain", "reweight", "recompute")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepConfig:
+    """What ``lean_compile(fn, schedule=...)`` takes beyond the compile options."""
+
+    schedule: str = "auto"
+    """``retain``, ``reweight``, ``recompute`` (the baseline: nothing kept) or ``auto``."""
+    sample_output: int | None = None
+    """The output that is the sample the step draws (a step that samples inside)."""
+    sample_arg: str | None = None
+    """The keyword argument the update call passes that sample back in."""
+    memory_budget_bytes: int | None = None
+    """``auto``: bytes the kept state may take; None: ``memory_fraction`` of the free memory
+    when the rollout starts."""
+    memory_fraction: float = 0.5
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}; use one of {SCHEDULES}")
+        if (self.sample_output is None) != (self.sample_arg is None):
+            raise ValueError("sample_output and sample_arg go together: the output holding the "
+                             "drawn sample and the keyword the update passes it back in")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+
+
+@dataclass(kw_only=True)
+class StepStats:
+    """What the wrapper did: calls per phase, what it kept, reused and recomputed (with the
+    reasons), memory and seconds per phase."""
+
+    rollout_calls: int = 0
+    trained_calls: int = 0
+    kept: Counter = field(default_factory=Counter)
+    """Trained rollout calls by what was kept: ``retain``, ``reweight``, or why nothing was."""
+    kept_rows: int = 0
+    update_calls: int = 0
+    reused_calls: int = 0
+    reused_rows: int = 0
+    forwards_run: int = 0
+    """Forward graphs run (with or without grad) in the update phase: 0 when every update call
+    was served from the rollout."""
+    recomputed: Counter = field(default_factory=Counter)
+    """Update calls recomputed, by reason."""
+    mechanisms: Counter = field(default_factory=Counter)
+    """Reused update calls by how their backward runs: ``whole kept calls`` (the rollout's
+    batches as they were), ``gathered rows`` (a regrouped batch), ``per-row gradients``."""
+    gather_seconds: float = 0.0
+    gathered_bytes: int = 0
+    peak_kept_bytes: int = 0
+    """Activation bytes kept at the peak (storages not shared with inputs or parameters)."""
+    peak_buffer_bytes: int = 0
+    """Bytes of per-row gradient buffers at the peak (``reweight``)."""
+    unused_rows: int = 0
+    unused_bytes: int = 0
+    """Kept rows (and their bytes) that no update call used, freed at ``update()`` exit or at
+    the next rollout."""
+    rollout_seconds: float = 0.0
+    update_seconds: float = 0.0
+
+    def summary(self) -> str:
+        lines = [f"rollout: {self.rollout_calls} calls, {self.trained_calls} trained, kept "
+                 f"{dict(self.kept)} ({self.kept_rows} rows), peak "
+                 f"{self.peak_kept_bytes / 2**20:.2f} MiB activations, "
+                 f"{self.peak_buffer_bytes / 2**20:.2f} MiB gradient buffers, "
+                 f"{self.rollout_seconds:.3f} s",
+                 f"update: {self.update_calls} calls, {self.reused_calls} reused "
+                 f"({self.reused_rows} rows; {dict(self.mechanisms)}), forwards run "
+                 f"{self.forwards_run}, {self.update_seconds:.3f} s"]
+        for reason, count in self.recomputed.items():
+            lines.append(f"  recomputed {count} x: {reason}")
+        if self.gathered_bytes:
+            lines.append(f"  regrouped rows: {self.gathered_bytes / 2**20:.2f} MiB gathered in "
+                         f"{self.gather_seconds:.3f} s")
+        if self.unused_rows:
+            lines.append(f"  never used: {self.unused_rows} kept rows "
+                         f"({self.unused_bytes / 2**20:.2f} MiB), freed")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which rollout calls are trained
+
+
+class _Train:
+    """``train`` of ``rollout()``: None (every call, every row), an int n (the first n calls),
+    a container of call indices, a bool tensor ``[calls]`` or ``[calls, rows]``, or a callable
+    ``f(call_index) -> bool | bool tensor [rows] | None``."""
+
+    def __init__(self, spec):
+        if not (spec is None or callable(spec) or isinstance(spec, (int, Tensor))
+                or hasattr(spec, "__contains__")):
+            raise TypeError(f"train={spec!r}: pass None, an int, call indices, a bool tensor "
+                            "[calls] or [calls, rows], or a function of the call index")
+        if isinstance(spec, Tensor) and (spec.dtype != torch.bool or spec.dim() not in (1, 2)):
+            raise ValueError(f"train tensor must be bool [calls] or [calls, rows], got "
+                             f"{spec.dtype} {tuple(spec.shape)}")
+        self.spec = spec
+
+    def rows(self, index: int, batch: int) -> list[int] | None:
+        spec = self.spec
+        if spec is None:
+            value = True
+        elif isinstance(spec, bool):
+            value = spec
+        elif isinstance(spec, int):
+            value = index < spec
+        elif isinstance(spec, Tensor):
+            value = spec[index] if index < spec.shape[0] else False
+        elif callable(spec):
+            value = spec(index)
+        else:
+            value = index in spec
+        if value is None or value is False:
+            return None
+        if value is True:
+            return list(range(batch))
+        if isinstance(value, Tensor) and value.dim() == 0:
+            return list(range(batch)) if bool(value) else None
+        mask = torch.as_tensor(value, dtype=torch.bool).flatten()
+        if mask.numel() != batch:
+            raise ValueError(f"train selects rows with a mask of {mask.numel()} entries for a "
+                             f"call of {batch} rows (call {index})")
+        rows = mask.nonzero().flatten().tolist()
+        return rows or None
+
+
+# ---------------------------------------------------------------------------------------------
+# Kept state
+
+
+@dataclass(eq=False, kw_only=True)
+class _Kept:
+    """One trained rollout call: its inputs, outputs and what the schedule kept."""
+
+    runtime: "_GraphRuntime"
+    mode: str
+    args: list
+    batch: int
+    outputs: list
+    saved: list | None
+    grads: dict
+    rows: list[int]
+    used: set = field(default_factory=set)
+    versions: dict = field(default_factory=dict)
+    symbols: dict = field(default_factory=dict)
+    nbytes: int = 0
+
+
+class _State:
+    def __init__(self, config: StepConfig):
+        self.config = config
+        self.phase: str | None = None
+        self.train = _Train(None)
+        self.call_index = 0
+        self.current: list[int] | None = None
+        self.index: dict = {}
+        self.kept: list[_Kept] = []
+        self.kept_bytes = 0
+        self.buffer_bytes = 0
+        self.budget = 0
+        self.stats = StepStats()
+
+    def add(self, kept: _Kept, keys: list) -> None:
+        self.kept.append(kept)
+        for row in kept.rows:
+            self.index.setdefault(keys[row], []).append((kept, row))
+        if kept.mode == "retain":
+            self.kept_bytes += kept.nbytes
+            self.stats.peak_kept_bytes = max(self.stats.peak_kept_bytes, self.kept_bytes)
+        else:
+            self.buffer_bytes += kept.nbytes
+            self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, self.buffer_bytes)
+        self.stats.kept[kept.mode] += 1
+        self.stats.kept_rows += len(kept.rows)
+
+    def release(self, kept: _Kept) -> None:
+        """Forget ``kept`` (the backward closures of update calls may still hold its tensors
+        until they run)."""
+        if kept not in self.kept:
+            return
+        self.kept.remove(kept)
+        for key in list(self.index):
+            entries = [e for e in self.index[key] if e[0] is not kept]
+            if entries:
+                self.index[key] = entries
+            else:
+                del self.index[key]
+        if kept.mode == "retain":
+            self.kept_bytes -= kept.nbytes
+        else:
+            self.buffer_bytes -= kept.nbytes
+
+    def clear(self) -> None:
+        for kept in list(self.kept):
+            unused = [r for r in kept.rows if r not in kept.used]
+            if unused:
+                self.stats.unused_rows += len(unused)
+                self.stats.unused_bytes += kept.nbytes * len(unused) // max(len(kept.rows), 1)
+        self.kept.clear()
+        self.index.clear()
+        self.kept_bytes = self.buffer_bytes = 0
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 8 << 30
+
+
+# ---------------------------------------------------------------------------------------------
+# One Dynamo graph at run time
+
+
+class _GraphRuntime:
+    """The compiled function Dynamo calls for one graph of the wrapped function."""
+
+    def __init__(self, step: "LeanStep", graphs: StepGraphs):
+        self.step = step
+        self.g = graphs
+        self.params = [i for i, r in enumerate(graphs.roles) if r.kind == "param"]
+        symbol = graphs.batch_symbol
+        placeholders = [n for n in (graphs.forward or graphs.inference).graph.nodes
+                        if n.op == "placeholder"]
+        self.symbol_inputs = {}
+        for i, node in enumerate(placeholders):
+            val = node.meta.get("val")
+            if isinstance(val, torch.SymInt) and val.node.expr.is_Symbol:
+                self.symbol_inputs[i] = val.node.expr
+        self.batch_symint = {i for i, s in self.symbol_inputs.items() if s == symbol}
+        self.sample_input = next((i for i, r in enumerate(graphs.roles)
+                                  if r.source == "<sample>"), None)
+        self.trainable_sources = [graphs.roles[i].source for i in self.params]
+
+    # -- entry -------------------------------------------------------------------------------
+    def __call__(self, *args):
+        state = self.step._state
+        args = list(args)
+        grad = torch.is_grad_enabled()
+        if state.phase == "rollout" and state.current is not None and self.g.trainable:
+            return self._rollout(args, state.current, grad)
+        if state.phase == "update" and self.g.trainable and grad:
+            return self._update(args)
+        if state.phase == "update" and grad:
+            state.stats.forwards_run += 1
+        return self._plain(args, grad)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _batch(self, args) -> int:
+        for i, role in enumerate(self.g.roles):
+            if role.batch_rows:
+                return args[i].shape[0] // role.batch_rows
+        return self.step._state_batch or 1
+
+    def _finish(self, outputs, args) -> tuple:
+        out = list(outputs)
+        for j, kind in enumerate(self.g.output_types):
+            if kind == "input":
+                out[j] = args[self.g.output_bases[j]]
+        return tuple(out)
+
+    def _symbols(self, args) -> dict:
+        return {sym: int(args[i]) for i, sym in self.symbol_inputs.items()}
+
+    def _versions(self, args) -> dict:
+        return {self.g.roles[i].source: (args[i]._version, args[i].data_ptr())
+                for i in self.params}
+
+    def _plain(self, args, grad: bool):
+        g = self.g
+        needs = grad and g.trainable and any(
+            isinstance(a, Tensor) and a.requires_grad for a in args)
+        if not needs:
+            with torch.no_grad():
+                outs = g.run_inference(args)
+            return self._finish(outs[:g.num_outputs], args)
+        with torch.no_grad():
+            full = g.run_forward(args)
+        outputs, saved = list(full[:g.num_outputs]), list(full[g.num_outputs:])
+        inputs = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
+
+        def backward_fn(cotangents):
+            grads = self._backward([saved[k] for k in g.bw_saved], outputs, cotangents)
+            return [grads[i] for i in inputs]
+
+        results = Reused.apply(backward_fn, outputs, *[args[i] for i in inputs])
+        return self._finish(results, args)
+
+    def _backward(self, bw_saved, outputs, cotangents) -> list:
+        tangents = []
+        for j in self.g.differentiable:
+            c = cotangents[j] if j < len(cotangents) else None
+            tangents.append(torch.zeros_like(outputs[j]) if c is None else c.contiguous())
+        with torch.no_grad():
+            return list(self.g.run_backward(list(bw_saved) + tangents))
+
+    # -- keys ------------------------------------------------------------------------------
+    def keys(self, args, batch: int, fingerprint, inputs=None) -> list:
+        """One key per row: what the computation is and what its inputs hold for that row."""
+        parts = []
+        for i in (self.g.key_inputs if inputs is None else inputs):
+            if i == self.sample_input or i in self.batch_symint:
+                continue
+            role, value = self.g.roles[i], args[i]
+            if role.batch_rows:
+                parts.append((role.source, row_hashes(value, batch)))
+            elif isinstance(value, Tensor):
+                parts.append((role.source, [whole_hash(value)] * batch))
+            else:
+                parts.append((role.source, [value] * batch))
+        parts.sort(key=lambda p: p[0])
+        return [hash((fingerprint, tuple((source, h[r]) for source, h in parts)))
+                for r in range(batch)]
+
+    def _same_row(self, args, row, kept: _Kept, kept_row) -> bool:
+        """Confirm a fingerprint match value by value."""
+        kroles = {r.source: i for i, r in enumerate(kept.runtime.g.roles)}
+        for i in self.g.key_inputs:
+            if i == self.sample_input or i in self.batch_symint:
+                continue
+            role = self.g.roles[i]
+            k = kroles.get(role.source)
+            if k is None:
+                return False
+            mine, theirs = args[i], kept.args[k]
+            if role.batch_rows:
+                n = role.batch_rows
+                if not torch.equal(mine[row * n:(row + 1) * n],
+                                   theirs[kept_row * n:(kept_row + 1) * n]):
+                    return False
+            elif isinstance(mine, Tensor):
+                if not (isinstance(theirs, Tensor) and mine.shape == theirs.shape
+                        and mine.dtype == theirs.dtype and torch.equal(mine, theirs)):
+                    return False
+            elif mine != theirs:
+                return False
+        if self.sample_input is not None:
+            j = kept.runtime.step.config.sample_output
+            sample = kept.outputs[j]
+            mine = args[self.sample_input]
+            rows = mine.shape[0] // self._batch(args)
+            if not torch.equal(mine[row * rows:(row + 1) * rows],
+                               sample[kept_row * rows:(kept_row + 1) * rows]):
+                return False
+        return True
+
+    # -- rollout ---------------------------------------------------------------------------
+    def _rollout(self, args, train_rows: list[int], grad: bool):
+        step, state, g = self.step, self.step._state, self.g
+        if grad:
+            raise ValueError("the rollout's trained calls must run under torch.no_grad() (their "
+                             "outputs carry no autograd graph: the update gets the gradients)")
+        schedule = step.config.schedule
+        if g.random_ops and schedule != "recompute":
+            raise RandomOpInGraphError(
+                f"the wrapped step draws random numbers ({', '.join(g.random_ops[:3])}): an "
+                "update's forward would not repeat the rollout's, so nothing can be reused. "
+                "Call model.eval() (dropout), pass the noise in as an argument (a step that "
+                "samples), or use schedule='recompute'")
+        batch = self._batch(args)
+        train_rows = [r for r in train_rows if r < batch]
+        state.stats.trained_calls += 1
+        mode, why = self._choose(args, batch, train_rows)
+        if mode is None:
+            state.stats.kept[why] += 1
+            return self._plain(args, False)
+        with torch.no_grad():
+            full = list(g.run_forward(args))
+        outputs, saved = full[:g.num_outputs], full[g.num_outputs:]
+        kept = _Kept(runtime=self, mode=mode, args=args, batch=batch, outputs=outputs,
+                     saved=saved if mode == "retain" else None, grads={}, rows=train_rows,
+                     versions=self._versions(args), symbols=self._symbols(args))
+        params = [a for a in args if isinstance(a, Tensor)]
+        if mode == "retain":
+            kept.nbytes = storage_bytes(saved, exclude=params)
+        else:
+            self._row_gradients(kept, saved)
+            kept.nbytes = sum(t.numel() * t.element_size() for grads in kept.grads.values()
+                              for t in grads.values() if t is not None)
+        keys = self.keys(args, batch, g.fingerprint)
+        state.add(kept, keys)
+        if g.sample_fingerprint:  # an update passing the drawn sample back matches these keys
+            sample_keys = self.keys(args, batch, g.sample_fingerprint, g.sample_key_inputs)
+            for row in kept.rows:
+                state.index.setdefault(sample_keys[row], []).append((kept, row))
+        return self._finish(outputs, args)
+
+    def scalar_outputs(self, outputs, batch: int) -> list[int]:
+        """Differentiable outputs holding one value per row: what reweight keeps gradients of."""
+        return [j for j in self.g.differentiable
+                if isinstance(outputs[j], Tensor) and outputs[j].numel() == batch
+                and outputs[j].dim() >= 1 and outputs[j].shape[0] == batch]
+
+    def _choose(self, args, batch, rows) -> tuple[str | None, str]:
+        step, state, g = self.step, self.step._state, self.g
+        schedule = step.config.schedule
+        if schedule == "recompute":
+            return None, "nothing (schedule='recompute')"
+        fake_scalar = [j for j in g.differentiable
+                       if g.forward is not None and _numel_per_row(g, j) == 1]
+        if schedule == "reweight":
+            if not fake_scalar:
+                raise ValueError(
+                    "schedule='reweight' keeps one gradient per row of a per-row scalar output "
+                    "(a log-prob), and the wrapped function returns none (outputs "
+                    f"{[tuple(_shape(g, j)) for j in range(g.num_outputs)]}): wrap the whole "
+                    "step (velocity + SDE + log-prob), or use schedule='retain'")
+            return "reweight", ""
+        if schedule == "retain":
+            return "retain", ""
+        # auto: retain while the kept activations fit, then reweight, else nothing.
+        estimate = _saved_bytes(g, batch)
+        if state.kept_bytes + estimate <= state.budget:
+            return "retain", ""
+        grad_bytes = sum(args[i].numel() * args[i].element_size() for i in self.params
+                         if args[i].requires_grad)
+        if fake_scalar:
+            buffers = len(rows) * len(fake_scalar) * grad_bytes
+            if state.buffer_bytes + buffers <= state.budget - state.kept_bytes:
+                return "reweight", ""
+        return None, (f"nothing (auto: {estimate} more bytes would exceed the memory budget of "
+                      f"{state.budget} bytes)")
+
+    def _row_gradients(self, kept: _Kept, saved: list) -> None:
+        """Reweight: the gradient of every per-row scalar output of every trained row, each on
+        its own (one backward of the row's gathered state, or of the whole call with a one-hot
+        cotangent when its rows cannot be gathered)."""
+        g, batch = self.g, kept.batch
+        outputs = kept.outputs
+        scalars = self.scalar_outputs(outputs, batch)
+        trainable = [(i, g.roles[i].source) for i in self.params if kept.args[i].requires_grad]
+        gather = bool(g.layouts.get("row_local")) and g.batch_symbol is not None and batch > 1
+        for row in kept.rows:
+            if gather:
+                bw_saved, row_outputs = self._gathered_saved([(kept, [row])], 1), \
+                    [self._gather_output(j, [(kept, [row])]) for j in range(g.num_outputs)]
+            else:
+                bw_saved, row_outputs = [saved[k] for k in g.bw_saved], outputs
+            for q in scalars:
+                cotangents = [None] * g.num_outputs
+                one = torch.zeros_like(row_outputs[q])
+                one.reshape(-1)[0 if gather else row] = 1
+                cotangents[q] = one
+                grads = self._backward(bw_saved, row_outputs, cotangents)
+                kept.grads[(row, q)] = {source: grads[i] for i, source in trainable}
+
+    # -- gathering -------------------------------------------------------------------------
+    def _runs(self, assignment):
+        """Consecutive rows from one kept call, as (kept, [rows])."""
+        runs = []
+        for kept, row in assignment:
+            if runs and runs[-1][0] is kept:
+                runs[-1][1].append(row)
+            else:
+                runs.append((kept, [row]))
+        return runs
+
+    def _gathered_saved(self, runs, total: int) -> list:
+        g = self.g
+        start = time.perf_counter()
+        layouts = g.layouts["saved"]
+        first = runs[0][0]
+        symbols = dict(first.symbols)
+        if g.batch_symbol is not None:
+            symbols[g.batch_symbol] = total
+        values = []
+        for k in g.bw_saved:
+            layout = layouts[k]
+            if layout == "symint":
+                expr = g.saved_meta[k]
+                value = expr.node.expr.subs(symbols) if isinstance(expr, torch.SymInt) else expr
+                values.append(int(value))
+            elif layout is None:
+                values.append(first.saved[k])
+            else:
+                tensor = gather_rows([(kept.saved[k], kept.batch, rows) for kept, rows in runs],
+                                     layout.outer, layout.inner)
+                self.step._state.stats.gathered_bytes += tensor.numel() * tensor.element_size()
+                values.append(tensor)
+        self.step._state.stats.gather_seconds += time.perf_counter() - start
+        return values
+
+    def _gather_output(self, j, runs):
+        layout = self.g.layouts["outputs"][j]
+        first = runs[0][0]
+        if layout is None or layout == "symint":
+            return first.outputs[j]
+        return gather_rows([(kept.outputs[j], kept.batch, rows) for kept, rows in runs],
+                           layout.outer, layout.inner)
+
+    # -- update ------------------------------------------------------------------------------
+    def _update(self, args):
+        state, g = self.step._state, self.g
+        state.stats.update_calls += 1
+        assignment, reason = self._match(args)
+        if assignment is None:
+            return self._recompute(args, reason)
+        return self._reuse(args, assignment)
+
+    def _match(self, args):
+        state, g = self.step._state, self.g
+        if not state.kept:
+            return None, "nothing kept (not a trained rollout call, or already freed)"
+        if any(isinstance(a, Tensor) and a.requires_grad for i, a in enumerate(args)
+               if g.roles[i].kind != "param"):
+            return None, "an input of the update call requires grad"
+        versions = self._versions(args)
+        batch = self._batch(args)
+        keys = self.keys(args, batch, g.fingerprint)
+        assignment = []
+        for row, key in enumerate(keys):
+            candidates = state.index.get(key, [])
+            if not candidates:
+                return None, self._why_not(args, row)
+            stale = [c for c in candidates if any(
+                s in c[0].versions and c[0].versions[s] != v for s, v in versions.items())]
+            if stale and len(stale) == len(candidates):
+                state.clear()
+                return None, ("the parameters changed since the rollout (an optimizer step, or "
+                              "an in-place change): kept state is stale")
+            fresh = [c for c in candidates if c not in stale]
+            fresh.sort(key=lambda c: c[1] in c[0].used)
+            found = next((c for c in fresh if self._same_row(args, row, *c)), None)
+            if found is None:
+                return None, f"row {row}: inputs not seen in the rollout (fingerprint collision)"
+            assignment.append(found)
+        return assignment, ""
+
+    def _why_not(self, args, row) -> str:
+        state, g = self.step._state, self.g
+        same_graph = [k for k in state.kept if k.runtime.g.fingerprint == g.fingerprint or (
+            k.runtime.g.sample_fingerprint and k.runtime.g.sample_fingerprint == g.fingerprint)]
+        if not same_graph:
+            return ("no kept rollout call computes the same function (another graph: a changed "
+                    "module state such as a disabled adapter, training mode, autocast, or other "
+                    "argument types)")
+        return f"row {row}: inputs not seen in the rollout"
+
+    def _reuse(self, args, assignment):
+        state, g = self.step._state, self.g
+        batch = len(assignment)
+        runs = self._runs(assignment)
+        kept_graph = runs[0][0].runtime
+        layouts = kept_graph.g.layouts
+        if any(k.runtime.g.bw_saved != kept_graph.g.bw_saved or k.runtime.g.layouts != layouts
+               for k, _ in runs):
+            return self._recompute(args, "rows kept by different graphs")
+        whole = all(rows == list(range(k.batch)) for k, rows in runs) and \
+            len({id(k) for k, _ in runs}) == len(runs)
+        row_local = bool(layouts.get("row_local"))
+        splittable = all(lay is None or lay == "symint" or hasattr(lay, "outer")
+                         for lay in layouts.get("outputs", [object()] * g.num_outputs))
+        if not (row_local or (whole and (len(runs) == 1 or splittable))):
+            reason = layouts.get("reason") or "the LeanGRPO stage did not run"
+            return self._recompute(args, f"rows regrouped, and {reason}")
+        outputs = []
+        for j in range(g.num_outputs):
+            if g.output_types[j] == "input":
+                outputs.append(args[g.output_bases[j]])
+            elif len(runs) == 1 and whole:
+                outputs.append(runs[0][0].outputs[j])
+            else:
+                outputs.append(kept_graph._gather_output(j, runs))
+        for kept, rows in runs:
+            kept.used.update(rows)
+            if set(kept.rows) <= kept.used:
+                state.release(kept)
+        trainable = [i for i in self.params if args[i].requires_grad]
+        sources = [g.roles[i].source for i in trainable]
+        retain = [(i, a) for i, a in enumerate(assignment) if a[0].mode == "retain"]
+        reweight = [(i, a) for i, a in enumerate(assignment) if a[0].mode == "reweight"]
+        state.stats.mechanisms["per-row gradients" if not retain else
+                               "whole kept calls" if whole else "gathered rows"] += 1
+        state.stats.reused_calls += 1
+        state.stats.reused_rows += batch
+        out_layouts = layouts.get("outputs")
+
+        def backward_fn(cotangents):
+            total: dict[str, Tensor] = {}
+
+            def add(grads: dict):
+                for source, gr in grads.items():
+                    if gr is not None and source in sources:
+                        total[source] = gr if source not in total else total[source] + gr
+
+            if retain:
+                retain_runs = self._runs([a for _, a in retain])
+                update_rows = [i for i, _ in retain]
+                if whole:
+                    offset = 0
+                    for kept, rows in retain_runs:
+                        mine = update_rows[offset:offset + len(rows)]
+                        offset += len(rows)
+                        cots = [_rows_of(c, out_layouts, j, batch, mine)
+                                for j, c in enumerate(cotangents)]
+                        kg = kept.runtime
+                        grads = kg._backward([kept.saved[k] for k in kg.g.bw_saved],
+                                             kept.outputs, cots)
+                        add({kg.g.roles[i].source: grads[i] for i in kg.params})
+                else:
+                    kg = retain_runs[0][0].runtime
+                    bw_saved = kg._gathered_saved(retain_runs, len(update_rows))
+                    outs = [kg._gather_output(j, retain_runs) for j in range(g.num_outputs)]
+                    cots = [_rows_of(c, out_layouts, j, batch, update_rows)
+                            for j, c in enumerate(cotangents)]
+                    grads = kg._backward(bw_saved, outs, cots)
+                    add({kg.g.roles[i].source: grads[i] for i in kg.params})
+            if reweight:
+                scalars = {q for kept in {id(k): k for _, (k, _) in reweight}.values()
+                           for (_, q) in kept.grads}
+                for j, c in enumerate(cotangents):
+                    if c is not None and j not in scalars and bool(torch.any(c != 0)):
+                        raise ValueError(
+                            f"reweight kept per-row gradients of the per-row scalar outputs "
+                            f"{sorted(scalars)}, but the update's loss also depends on output "
+                            f"{j} (shape {tuple(c.shape)}), which it cannot serve: use "
+                            "schedule='retain', or compute that term inside the step as a "
+                            "per-row scalar output")
+                for i, (kept, row) in reweight:
+                    for q in scalars:
+                        c = cotangents[q]
+                        if c is None:
+                            continue
+                        weight = c.reshape(batch, -1)[i].sum()
+                        add({source: None if gr is None else gr * weight
+                             for source, gr in kept.grads[(row, q)].items()})
+            return [total[s] if s in total else torch.zeros_like(args[i])
+                    for s, i in zip(sources, trainable)]
+
+        results = Reused.apply(backward_fn, outputs, *[args[i] for i in trainable])
+        return self._finish(results, args)
+
+    def _recompute(self, args, reason: str):
+        state = self.step._state
+        state.stats.recomputed[reason] += 1
+        state.stats.forwards_run += 1
+        return self._plain(args, True)
+
+
+def _rows_of(c, layouts, j, batch, rows):
+    """The cotangent of output ``j`` for ``rows`` of the update call (in that order)."""
+    if c is None or layouts is None:
+        return c
+    layout = layouts[j] if j < len(layouts) else None
+    if layout is None or layout == "symint" or rows == list(range(batch)):
+        return c
+    return gather_rows([(c, batch, rows)], layout.outer, layout.inner)
+
+
+def _val_of_output(g: StepGraphs, j: int):
+    graph = g.forward if g.forward is not None else g.inference
+    out = next(n for n in graph.graph.nodes if n.op == "output").args[0][j]
+    return out.meta.get("val") if isinstance(out, fx.Node) else out
+
+
+def _shape(g: StepGraphs, j: int):
+    val = _val_of_output(g, j)
+    return tuple(val.shape) if isinstance(val, Tensor) else ()
+
+
+def _numel_per_row(g: StepGraphs, j: int):
+    """1 when output ``j`` holds one value per sample (``[s]`` or ``[s, 1]``)."""
+    val = _val_of_output(g, j)
+    if not isinstance(val, Tensor) or g.batch_symbol is None or val.dim() == 0:
+        return None
+    first = val.shape[0]
+    if not (isinstance(first, torch.SymInt) and first.node.expr == g.batch_symbol):
+        return None
+    rest = 1
+    for d in val.shape[1:]:
+        if not isinstance(d, int):
+            return None
+        rest *= d
+    return rest
+
+
+def _saved_bytes(g: StepGraphs, batch: int) -> int:
+    """Activation bytes one forward keeps for ``batch`` rows (from the graph's metadata)."""
+    total = 0
+    symbols = {g.batch_symbol: batch} if g.batch_symbol is not None else {}
+    for val in g.saved_meta:
+        if not isinstance(val, Tensor):
+            continue
+        numel = 1
+        for d in val.shape:
+            numel *= int(d.node.expr.subs(symbols)) if isinstance(d, torch.SymInt) else int(d)
+        total += numel * val.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# The wrapper
+
+
+class _Backend:
+    """The Dynamo backend of one ``LeanStep``: captures each graph, returns its runtime."""
+
+    def __init__(self, step: "LeanStep"):
+        self.step = step
+        self.graphs = 0
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        step = self.step
+        report = Report(options=step.options.cache_key())
+        graph_pass = LeanGraphPass(step.options, report=report, graph_index=self.graphs)
+        self.graphs += 1
+        _rename_sample(gm, step.config.sample_arg)
+        graphs = capture_graph(gm, example_inputs, graph_pass=graph_pass,
+                               compiler=step.options.compiler,
+                               sample_output=step.config.sample_output)
+        graphs.report = report
+        record_report(report)
+        step.reports.append(report)
+        step.graphs.append(graphs)
+        return _GraphRuntime(step, graphs)
+
+
+def _rename_sample(gm: fx.GraphModule, sample_arg: str | None) -> None:
+    """Hash the update's sample argument under the name the rollout's drawn sample gets."""
+    if sample_arg is None:
+        return
+    for node in gm.graph.nodes:
+        arg = node.meta.get("grapharg") if node.op == "placeholder" else None
+        source = getattr(arg, "source", None)
+        if source is not None and source.name == f"L['{sample_arg}']":
+            node.meta["leancompile_sample"] = True
+
+
+class LeanStep:
+    """A function compiled with LeanGRPO schedules; see the module docstring. Made by
+    ``leancompile.lean_compile(fn, schedule=...)``; calls go to ``fn``'s compiled graphs."""
+
+    def __init__(self, fn: Callable, *, options: CompileOptions, config: StepConfig,
+                 compile_kwargs: dict | None = None):
+        if not callable(fn):
+            raise TypeError(f"lean_compile needs a function or module, got {type(fn).__name__}")
+        self.fn = fn
+        self.options = options
+        self.config = config
+        self.reports: list[Report] = []
+        self.graphs: list[StepGraphs] = []
+        self._state = _State(config)
+        self._state_batch = None
+        kwargs = dict(compile_kwargs or {})
+        kwargs.setdefault("dynamic", False)
+        self._compiled = torch.compile(fn, backend=_Backend(self), **kwargs)
+        try:
+            self.__wrapped__ = fn
+            self.__doc__ = getattr(fn, "__doc__", None)
+        except AttributeError:  # pragma: no cover - objects without a writable __doc__
+            pass
+
+    @property
+    def stats(self) -> StepStats:
+        return self._state.stats
+
+    def __call__(self, *args, **kwargs):
+        state = self._state
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        batch = next((t.shape[0] for t in tensors if t.dim() >= 1), 1)
+        if batch > 1:
+            for t in tensors:
+                if t.dim() >= 1 and t.shape[0] == batch:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+        self._state_batch = batch
+        if state.phase == "rollout":
+            state.stats.rollout_calls += 1
+            state.current = state.train.rows(state.call_index, batch)
+            state.call_index += 1
+        try:
+            return self._compiled(*args, **kwargs)
+        finally:
+            state.current = None
+
+    @contextlib.contextmanager
+    def rollout(self, train=None):
+        """The sampling loop: calls chosen by ``train`` keep what the schedule needs (see
+        ``_Train`` for the forms ``train`` takes; default: every call, every row). Starting a
+        rollout frees what an earlier one kept."""
+        state = self._state
+        if state.phase is not None:
+            raise RuntimeError(f"rollout() inside {state.phase}(): the phases do not nest")
+        state.clear()
+        state.train = _Train(train)
+        state.call_index = 0
+        state.phase = "rollout"
+        if self.config.memory_budget_bytes is not None:
+            state.budget = self.config.memory_budget_bytes
+        else:
+            device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+            state.budget = int(_free_memory_bytes(device) * self.config.memory_fraction)
+        start = time.perf_counter()
+        try:
+            yield self
+        finally:
+            state.phase = None
+            state.stats.rollout_seconds += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def update(self):
+        """The training loop: calls that repeat a kept rollout call reuse it; what was kept and
+        not used is freed at exit (and counted in ``stats``)."""
+        state = self._state
+        if state.phase is not None:
+            raise RuntimeError(f"update() inside {state.phase}(): the phases do not nest")
+        state.phase = "update"
+        start = time.perf_counter()
+        try:
+            yield self
+        finally:
+            state.phase = None
+            state.clear()
+            state.stats.update_seconds += time.perf_counter() - start
+
+    def reset_stats(self) -> StepStats:
+        """Return the stats so far and start counting anew."""
+        old = self._state.stats
+        self._state.stats = StepStats()
+        return old
+
+    def __repr__(self) -> str:
+        return (f"LeanStep({getattr(self.fn, '__name__', type(self.fn).__name__)}, "
+                f"schedule={self.config.schedule!r}, {self.options})")
