@@ -39,6 +39,9 @@ _VIEW_TARGETS = {
 }
 
 
+_SAME_VALUE = {torch.ops.aten.alias.default, torch.ops.aten.detach.default}
+
+
 class RandomOpInGraphError(RuntimeError):
     """The captured step draws random numbers: two runs of it would not be the same forward."""
 
@@ -314,10 +317,40 @@ class StepGraphs:
     """The same for ``sample_fingerprint`` (what the outputs but the sample depend on)."""
     random_ops: list[str] = field(default_factory=list)
     report: object = None
+    dynamo_graph: fx.GraphModule | None = None
+    """The Dynamo graph itself (``fingerprints_at``)."""
+    sample_output: int | None = None
 
     @property
     def trainable(self) -> bool:
         return self.run_backward is not None
+
+    def fingerprints_at(self, args) -> tuple[tuple, tuple]:
+        """(fingerprint, sample fingerprint) of this graph traced with concrete ``args`` (real
+        tensors): what a graph Dynamo specialised for those sizes (a batch of 1) computes, to
+        compare with one."""
+        from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+        from torch._guards import TracingContext, tracing
+        from torch._inductor.decomposition import select_decomp_table
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        captured = {}
+
+        def keep(graph, inputs):
+            captured["inference"] = graph
+            return make_boxed_func(graph.forward)
+
+        with tracing(TracingContext(FakeTensorMode(allow_non_fake_inputs=True))), \
+                torch._functorch.config.patch(enable_autograd_cache=False), torch.no_grad():
+            aot_module_simplified(self.dynamo_graph, list(args), fw_compiler=keep,
+                                  inference_compiler=keep,
+                                  decompositions=select_decomp_table())
+        graph = captured["inference"]
+        fingerprint, _ = _structural_hashes(graph, self.roles)
+        sample = ()
+        if self.sample_output is not None:
+            sample, _ = _structural_hashes(graph, self.roles, cut=self.sample_output)
+        return fingerprint, sample
 
 
 def _role(node: fx.Node, value) -> InputRole:
@@ -382,8 +415,11 @@ def _structural_hashes(gm: fx.GraphModule, roles: list[InputRole], cut: int | No
             continue
         if node is cut_node:
             memo[node] = "<sample>"
+        elif node.op == "call_function" and node.target in _SAME_VALUE:
+            memo[node] = memo[node.args[0]]  # an alias computes nothing
         elif node.op == "placeholder":
-            memo[node] = f"in({roles[index[node]].source})"
+            source = roles[index[node]].source
+            memo[node] = source if source == "<sample>" else f"in({source})"
         else:
             text = f"{node.op}:{node.target}:{value(node.args)}:{value(node.kwargs)}"
             memo[node] = hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -532,4 +568,4 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
         run_inference=run_inference, forward=forward, backward=backward, inference=inference,
         batch_symbol=symbol, layouts=layouts, saved_meta=saved_meta, fingerprint=fingerprint,
         sample_fingerprint=sample_fp, key_inputs=key_inputs, sample_key_inputs=sample_keys,
-        random_ops=random_ops)
+        random_ops=random_ops, dynamo_graph=gm, sample_output=sample_output)

@@ -231,6 +231,7 @@ class _State:
         self.kept_bytes = 0
         self.buffer_bytes = 0
         self.budget = 0
+        self.reached = False
         self.stats = StepStats()
 
     def add(self, kept: _Kept, keys: list) -> None:
@@ -306,10 +307,15 @@ class _GraphRuntime:
         self.sample_input = next((i for i, r in enumerate(graphs.roles)
                                   if r.source == "<sample>"), None)
         self.trainable_sources = [graphs.roles[i].source for i in self.params]
+        self._at_one: tuple | None = None
+        self._rows_like: dict[str, int] = {}
+        """For a graph specialised to a batch of 1: the rows per sample of each input, from the
+        kept graph with a symbolic batch that computes the same (``_fingerprint_for``)."""
 
     # -- entry -------------------------------------------------------------------------------
     def __call__(self, *args):
         state = self.step._state
+        state.reached = True
         args = list(args)
         grad = torch.is_grad_enabled()
         if state.phase == "rollout" and state.current is not None and self.g.trainable:
@@ -326,6 +332,10 @@ class _GraphRuntime:
             if role.batch_rows:
                 return args[i].shape[0] // role.batch_rows
         return self.step._state_batch or 1
+
+    def _rows_of_input(self, i: int) -> int:
+        role = self.g.roles[i]
+        return role.batch_rows or self._rows_like.get(role.source, 0)
 
     def _finish(self, outputs, args) -> tuple:
         out = list(outputs)
@@ -377,7 +387,7 @@ class _GraphRuntime:
             if i == self.sample_input or i in self.batch_symint:
                 continue
             role, value = self.g.roles[i], args[i]
-            if role.batch_rows:
+            if self._rows_of_input(i):
                 parts.append((role.source, row_hashes(value, batch)))
             elif isinstance(value, Tensor):
                 parts.append((role.source, [whole_hash(value)] * batch))
@@ -398,8 +408,8 @@ class _GraphRuntime:
             if k is None:
                 return False
             mine, theirs = args[i], kept.args[k]
-            if role.batch_rows:
-                n = role.batch_rows
+            if self._rows_of_input(i):
+                n = self._rows_of_input(i)
                 if not torch.equal(mine[row * n:(row + 1) * n],
                                    theirs[kept_row * n:(kept_row + 1) * n]):
                     return False
@@ -449,7 +459,9 @@ class _GraphRuntime:
         if mode == "retain":
             kept.nbytes = storage_bytes(saved, exclude=params)
         else:
+            kept.saved = saved  # read while the per-row gradients are taken, then dropped
             self._row_gradients(kept, saved)
+            kept.saved = None
             kept.nbytes = sum(t.numel() * t.element_size() for grads in kept.grads.values()
                               for t in grads.values() if t is not None)
         keys = self.keys(args, batch, g.fingerprint)
@@ -581,7 +593,7 @@ class _GraphRuntime:
             return None, "an input of the update call requires grad"
         versions = self._versions(args)
         batch = self._batch(args)
-        keys = self.keys(args, batch, g.fingerprint)
+        keys = self.keys(args, batch, self._fingerprint_for(args, batch))
         assignment = []
         for row, key in enumerate(keys):
             candidates = state.index.get(key, [])
@@ -600,6 +612,44 @@ class _GraphRuntime:
                 return None, f"row {row}: inputs not seen in the rollout (fingerprint collision)"
             assignment.append(found)
         return assignment, ""
+
+    def _fingerprint_for(self, args, batch: int):
+        """This graph's fingerprint; for a graph Dynamo specialised to a batch of 1, the
+        fingerprint of the kept graph (with a symbolic batch) that computes the same at 1."""
+        g, state = self.g, self.step._state
+        if g.batch_symbol is not None or batch != 1:
+            return g.fingerprint
+        for kept in state.kept:
+            runtime = kept.runtime
+            if g.fingerprint in (runtime.g.fingerprint, runtime.g.sample_fingerprint):
+                self._rows_like = {r.source: r.batch_rows for r in runtime.g.roles
+                                   if r.batch_rows}
+                return g.fingerprint
+        for kept in state.kept:
+            runtime = kept.runtime
+            if runtime.g.batch_symbol is None:
+                continue
+            if runtime._at_one is None:
+                runtime._at_one = runtime.g.fingerprints_at(runtime._one_row(kept))
+            full, sample = runtime._at_one
+            if g.fingerprint in (full, sample):
+                self._rows_like = {r.source: r.batch_rows for r in runtime.g.roles
+                                   if r.batch_rows}
+                return runtime.g.fingerprint if g.fingerprint == full else \
+                    runtime.g.sample_fingerprint
+        return g.fingerprint
+
+    def _one_row(self, kept: _Kept) -> list:
+        """``kept``'s inputs cut to its first row (sizes of the batch set to 1)."""
+        args = []
+        for i, (role, value) in enumerate(zip(self.g.roles, kept.args)):
+            if role.batch_rows:
+                args.append(value[:role.batch_rows])
+            elif i in self.batch_symint:
+                args.append(1)
+            else:
+                args.append(value)
+        return args
 
     def _why_not(self, args, row) -> str:
         state, g = self.step._state, self.g
@@ -842,10 +892,22 @@ class LeanStep:
             state.stats.rollout_calls += 1
             state.current = state.train.rows(state.call_index, batch)
             state.call_index += 1
+        state.reached = False
         try:
-            return self._compiled(*args, **kwargs)
+            out = self._compiled(*args, **kwargs)
         finally:
             state.current = None
+        if state.phase is not None and not state.reached:
+            # Dynamo ran the call without a compiled graph (its recompile limit, a frame it
+            # skips): nothing was kept or reused. Counted, never silent.
+            key = "rollout" if state.phase == "rollout" else "update"
+            reason = ("Dynamo ran the call in Python without a compiled graph (recompile limit "
+                      "reached, or a skipped frame); see TORCH_LOGS=recompiles")
+            (state.stats.kept if key == "rollout" else state.stats.recomputed)[reason] += 1
+            if key == "update":
+                state.stats.update_calls += 1
+                state.stats.forwards_run += 1
+        return out
 
     @contextlib.contextmanager
     def rollout(self, train=None):

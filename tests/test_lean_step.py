@@ -1,0 +1,242 @@
+"""``lean_compile(fn, schedule=...)`` in loops users own: a FlowGRPO-style and a DanceGRPO-style
+loop (``leancompile/demos/user_loops.py``) changed only by the wrapper and the two phases give
+the gradients and parameters of the same loop without the wrapper, with no update forward for
+on-policy calls; the guards recompute (counted, with the reason) or refuse clearly.
+
+"The same loop without the wrapper" is compiled with the same backend (``lean_compile`` without
+a schedule), so that only the reuse differs; relative L2 is over all parameters (or all
+gradients) at once."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import leancompile
+from leancompile.capture import RandomOpInGraphError
+from leancompile.demos.user_loops import LoopConfig, dance_grpo_loop, flow_grpo_loop, make_step
+from models import ToyFlowPolicy, tiny_flux_policy
+
+
+def _flat(tensors: dict) -> torch.Tensor:
+    return torch.cat([t.flatten() for _, t in sorted(tensors.items())])
+
+
+def rel_l2(a: dict, b: dict) -> float:
+    a, b = _flat(a), _flat(b)
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _fn(policy, config):
+    return policy.velocity if config.level == "model" else make_step(policy, config)
+
+
+def run(base, loop, config, schedule=None, *, compiler="aot_eager", **loop_kwargs):
+    """(result, step): the loop on a copy of ``base`` with its function compiled by
+    ``lean_compile`` (a ``LeanStep`` when ``schedule`` is given)."""
+    torch._dynamo.reset()  # each run compiles its own copy of the policy from scratch
+    policy = copy.deepcopy(base)
+    fn = _fn(policy, config)
+    extra = {}
+    if schedule is not None and config.level == "step":
+        extra = dict(sample_output=0, sample_arg="prev_sample")
+    if schedule is not None:
+        extra["schedule"] = schedule
+    step = leancompile.lean_compile(fn, backend=compiler, **extra)
+    return loop(policy, step, config, **loop_kwargs), step
+
+
+def assert_same(result, reference, tol):
+    """Every optimizer step's gradients and the parameters after every iteration."""
+    assert len(result.grads) == len(reference.grads)
+    for got, ref in zip(result.grads, reference.grads):
+        assert rel_l2(got, ref) <= tol, ("gradients", rel_l2(got, ref))
+    for i, (got, ref) in enumerate(zip(result.history, reference.history)):
+        assert rel_l2(got, ref) <= tol, ("parameters after iteration", i + 1, rel_l2(got, ref))
+
+
+@pytest.fixture(scope="module")
+def flux():
+    policy = tiny_flux_policy(steps=4)
+    policy.requires_grad_(True)
+    return policy
+
+
+FLOW = LoopConfig(sde="flow_grpo", eta=0.9)
+DANCE = LoopConfig(sde="dance_grpo", eta=0.3, init_same_noise=True, timestep_fraction=0.7)
+
+
+@pytest.mark.parametrize("level", ["model", "step"])
+def test_flow_grpo_loop_retain_equals_the_plain_loop(flux, level):
+    """Samples shuffled across the rollout's sampling batches, re-batched with 2 rows where
+    sampling used 4, timesteps permuted per sample, PPO, accumulation, clipping, AdamW; three
+    iterations (parameters compared after each)."""
+    config = dataclasses.replace(FLOW, level=level, iterations=3)
+    reference, _ = run(flux, flow_grpo_loop, config)
+    result, step = run(flux, flow_grpo_loop, config, "retain")
+    assert_same(result, reference, 1e-6)
+    # Every update call was served by the rollout: not one forward ran.
+    assert step.stats.forwards_run == 0, step.stats.summary()
+    assert step.stats.reused_calls == step.stats.update_calls > 0
+    assert step.stats.mechanisms["gathered rows"] == step.stats.update_calls
+
+
+def test_recompute_and_auto_on_a_small_policy():
+    base = ToyFlowPolicy(steps=4)
+    config = dataclasses.replace(FLOW, level="model", iterations=2)
+    reference, _ = run(base, flow_grpo_loop, config)
+    result, step = run(base, flow_grpo_loop, config, "recompute")
+    assert_same(result, reference, 1e-6)
+    assert step.stats.forwards_run == step.stats.update_calls and step.stats.reused_calls == 0
+    result, step = run(base, flow_grpo_loop, config, "auto")
+    assert_same(result, reference, 1e-6)
+    assert step.stats.kept == {"retain": 2 * 3} and step.stats.forwards_run == 0
+
+
+def test_flow_grpo_loop_step_level_reweight(flux):
+    config = dataclasses.replace(FLOW, level="step", iterations=1)
+    reference, _ = run(flux, flow_grpo_loop, config)
+    result, step = run(flux, flow_grpo_loop, config, "reweight")
+    assert_same(result, reference, 1e-5)
+    assert step.stats.forwards_run == 0
+    assert step.stats.mechanisms == {"per-row gradients": step.stats.update_calls}
+    assert step.stats.peak_buffer_bytes > 0
+
+
+def test_reweight_needs_a_per_row_scalar_output(flux):
+    config = dataclasses.replace(FLOW, level="model")
+    with pytest.raises(ValueError, match="per-row scalar output.*wrap the whole step"):
+        run(flux, flow_grpo_loop, config, "reweight")
+
+
+def test_flow_grpo_loop_with_kl_to_a_frozen_reference_retain():
+    base = ToyFlowPolicy(steps=4)
+    reference_policy = copy.deepcopy(base).requires_grad_(False)
+    config = dataclasses.replace(FLOW, level="model", beta=0.05, iterations=2)
+    reference, _ = run(base, flow_grpo_loop, config, reference=reference_policy)
+    result, step = run(base, flow_grpo_loop, config, "retain", reference=reference_policy)
+    assert_same(result, reference, 1e-6)
+    assert step.stats.forwards_run == 0
+
+
+@pytest.mark.parametrize("level,schedule,tol", [("model", "retain", 1e-6),
+                                                ("step", "reweight", 1e-5)])
+def test_dance_grpo_loop(flux, level, schedule, tol):
+    """One sample per training call (batch 1, a graph Dynamo specialises) against rollout
+    calls of the whole batch; one initial latent per group; DanceGRPO's SDE."""
+    config = dataclasses.replace(DANCE, level=level, iterations=2)
+    reference, _ = run(flux, dance_grpo_loop, config)
+    result, step = run(flux, dance_grpo_loop, config, schedule)
+    assert_same(result, reference, tol)
+    assert step.stats.forwards_run == 0, step.stats.summary()
+
+
+def test_two_optimizer_steps_per_rollout_recompute_after_the_first():
+    base = ToyFlowPolicy(steps=4)
+    config = dataclasses.replace(FLOW, level="model", optimizer_steps=2)
+    reference, _ = run(base, flow_grpo_loop, config)
+    result, step = run(base, flow_grpo_loop, config, "retain")
+    assert_same(result, reference, 1e-6)
+    stats = step.stats
+    assert 0 < stats.reused_calls < stats.update_calls
+    assert stats.forwards_run == stats.update_calls - stats.reused_calls
+    assert any("parameters changed since the rollout" in r for r in stats.recomputed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Guards, on a small MLP policy
+
+
+def toy_loop_once(policy, fn, *, perturb=None, change_params=False, noise=None):
+    """One rollout of 4 steps (batch 4) and an update over the first 3 steps in batches of 2;
+    returns the gradients."""
+    gen = torch.Generator().manual_seed(0)
+    cond = {"prompt_embeds": torch.randn(4, 3, generator=gen)}
+    x = policy.initial_latents(4, gen)
+    xs = [x]
+    rollout = getattr(fn, "rollout", None)
+    with (rollout(train=3) if rollout else torch.no_grad()), torch.no_grad():
+        for k in range(4):
+            v = fn(x, torch.full((4,), k), cond)
+            x = x + 0.1 * v
+            xs.append(x)
+    if change_params:
+        with torch.no_grad():
+            next(policy.parameters()).add_(0.01)
+    update = getattr(fn, "update", None)
+    policy.zero_grad(set_to_none=True)
+    with (update() if update else torch.enable_grad()):
+        for rows in (torch.tensor([2, 0]), torch.tensor([1, 3])):
+            for k in range(3):
+                xin = xs[k][rows].clone()
+                if perturb is not None and k == perturb:
+                    xin[1] += 1e-3
+                v = fn(xin, torch.full((2,), k), {"prompt_embeds": cond["prompt_embeds"][rows]})
+                v.square().mean().backward()
+    return {n: p.grad.clone() for n, p in policy.named_parameters()}
+
+
+def _guard(case, **kwargs):
+    torch._dynamo.reset()
+    base = ToyFlowPolicy(steps=4)
+    plain = copy.deepcopy(base)
+    reference = toy_loop_once(plain, leancompile.lean_compile(plain.velocity,
+                                                              backend="aot_eager"), **kwargs)
+    wrapped = copy.deepcopy(base)
+    step = leancompile.lean_compile(wrapped.velocity, backend="aot_eager", schedule="retain")
+    got = toy_loop_once(wrapped, step, **kwargs)
+    assert rel_l2(got, reference) <= 1e-6, case
+    return step.stats
+
+
+def test_perturbed_input_row_recomputes_that_call():
+    stats = _guard("perturbed", perturb=1)
+    assert stats.update_calls == 6 and stats.reused_calls == 4
+    [(reason, count)] = stats.recomputed.items()
+    assert count == 2 and reason == "row 1: inputs not seen in the rollout", stats.summary()
+
+
+def test_parameters_changed_by_hand_recompute():
+    stats = _guard("changed", change_params=True)
+    assert stats.reused_calls == 0 and stats.forwards_run == 6
+    assert any("parameters changed since the rollout" in r for r in stats.recomputed)
+
+
+def test_dropout_is_refused_with_the_fix_or_recomputed():
+    policy = ToyFlowPolicy(dropout=0.1).train()
+    for schedule in ("retain", "reweight", "auto"):
+        step = leancompile.lean_compile(policy.velocity, backend="aot_eager", schedule=schedule)
+        with pytest.raises(RandomOpInGraphError, match=r"model\.eval\(\).*schedule='recompute'"):
+            toy_loop_once(policy, step)
+    step = leancompile.lean_compile(policy.velocity, backend="aot_eager", schedule="recompute")
+    toy_loop_once(policy, step)
+    assert step.stats.forwards_run == step.stats.update_calls == 6
+
+
+def test_outside_the_phases_it_is_the_compiled_function():
+    policy = ToyFlowPolicy()
+    step = leancompile.lean_compile(policy.velocity, backend="aot_eager", schedule="auto")
+    x, k = torch.randn(3, 8), torch.zeros(3, dtype=torch.long)
+    cond = {"prompt_embeds": torch.randn(3, 3)}
+    out = step(x, k, cond)
+    ref = policy.velocity(x, k, cond)
+    torch.testing.assert_close(out, ref)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+    ref.sum().backward()
+    for a, p in zip(grads, policy.parameters()):
+        torch.testing.assert_close(a, p.grad)
+
+
+def test_option_errors():
+    policy = ToyFlowPolicy()
+    with pytest.raises(ValueError, match="schedule='fast'"):
+        leancompile.lean_compile(policy.velocity, schedule="fast")
+    with pytest.raises(TypeError, match=r"\['sample_arg'\] go with schedule"):
+        leancompile.lean_compile(policy.velocity, sample_arg="prev_sample")
+    with pytest.raises(ValueError, match="sample_output and sample_arg go together"):
+        leancompile.lean_compile(policy.velocity, schedule="retain", sample_arg="x")
+    with pytest.raises(ValueError, match="lean_compile"):
+        torch.compile(policy.velocity, backend=leancompile.backend(schedule="retain"))
