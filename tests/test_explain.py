@@ -17,8 +17,9 @@ def test_explain_mlp_shows_forward_and_backward(compiler):
     forward, backward = report.graph("forward"), report.graph("backward")
     assert "aten.addmm" in forward.before and "aten.addmm" in forward.after
     assert "tangents_1" in backward.before and "tangents_1" in backward.after
-    assert [p.name for p in forward.passes] == ["canonicalize", "flash_overlap"]
-    assert forward.passes[1].disabled  # opt-in: no overlap= given
+    assert [p.name for p in forward.passes] == ["canonicalize", "lean_grpo", "flash_overlap"]
+    assert forward.passes[1].disabled and forward.passes[2].disabled  # opt-in: no schedule=,
+    # no overlap= given
     assert report is leancompile.last_report()
     text = str(report)
     assert "graph0_forward" in text and "graph0_backward" in text and "canonicalize" in text
@@ -27,7 +28,7 @@ def test_explain_mlp_shows_forward_and_backward(compiler):
 def test_explain_aot_eager_reports_rewrites_with_op_diff():
     report = leancompile.explain(mlp(), torch.randn(4, 16), compiler="aot_eager")
     backward = report.graph("backward")
-    result, flash = backward.passes
+    result, _, flash = backward.passes
     assert flash.name == "flash_overlap" and flash.disabled
     views = backward.op_counts_before["aten.view.default"]
     assert views > 0
