@@ -1,18 +1,25 @@
-"""Capture a step module into forward, backward and inference graphs through AOTAutograd.
+"""Capture one Dynamo graph into forward, backward and inference graphs through AOTAutograd,
+the pass pipeline and the compiler, with what the LeanGRPO step wrapper needs to know about them.
 
-``capture_step(module, args)`` traces ``module(*args)`` once with gradients and once without,
-with Inductor's decompositions and the min-cut partitioner, and returns the three graphs with
+``capture_graph(gm, example_inputs, ...)`` (called from the Dynamo backend of
+``leancompile.step.LeanStep``) traces the graph once with gradients and once without, with
+Inductor's decompositions and the min-cut partitioner, runs leancompile's pipeline on each
+graph and compiles it (``aot_eager``: as it is; ``inductor``: ``compile_fx_inner`` with the
+pipeline as its custom post-grad pass). The result, ``StepGraphs``, has the three graphs with
 their calling conventions made explicit:
 
-- ``forward``: ``(*params_and_buffers, *args) -> (*outputs, *saved)``
-- ``backward``: ``(*saved, *cotangents of the differentiable outputs) -> (*grads of params and
-  buffers, *grads of args)`` (``None`` where an input needs no gradient)
-- ``inference``: ``(*params_and_buffers, *args) -> (*outputs,)``
+- ``run_forward(args) -> (*outputs, *saved)``
+- ``run_backward(saved for the backward, in its order + cotangents) -> one gradient (or None)
+  per input``
+- ``run_inference(args) -> outputs``
 
-Runtime code calls these graphs directly: that is what lets a schedule run the forward now and
-the backward later (Retain), or the backward at once with a provisional cotangent (Reweight).
-The saved tensors are described from the graph's own metadata (shape, dtype, bytes, and
-whether a saved value is an input or a view of one, which costs no memory of its own).
+where ``args`` are the flat inputs Dynamo passes (parameters, buffers, arguments, sizes). Runtime
+code calls these graphs directly: that is what lets a schedule run the forward now and the
+backward later (Retain), or the backward at once with a provisional cotangent (Reweight). Also
+recorded: each input's role (its source, whether dim 0 is the batch), what the LeanGRPO stage
+found (row layouts of outputs and saved tensors), the bytes the saved tensors hold beyond the
+inputs (exactly, as a function of the batch size), a structural fingerprint of what the graph
+computes (to match a rollout call with an update call), and any random op.
 """
 
 from __future__ import annotations
@@ -24,9 +31,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-__all__ = ["SavedTensor", "CapturedStep", "capture_step", "RandomOpInGraphError", "InputRole",
-           "StepGraphs", "capture_graph",
-           "module_input_names", "module_inputs"]
+__all__ = ["RandomOpInGraphError", "InputRole", "StepGraphs", "capture_graph"]
 
 log = logging.getLogger("leancompile")
 
@@ -44,77 +49,6 @@ _SAME_VALUE = {torch.ops.aten.alias.default, torch.ops.aten.detach.default}
 
 class RandomOpInGraphError(RuntimeError):
     """The captured step draws random numbers: two runs of it would not be the same forward."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SavedTensor:
-    """One tensor the forward graph saves for the backward graph."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    nbytes: int
-    """Bytes of the tensor itself (numel * element size)."""
-    aliases_input: str | None
-    """The input placeholder this tensor is, or is a view of; such a tensor costs no memory
-    beyond the input, which the caller holds anyway."""
-    root: str
-    """The node whose storage this tensor lives in (itself, unless it is a view)."""
-    root_nbytes: int
-    """Bytes of that storage: what keeping this tensor alive really holds."""
-
-
-@dataclass(kw_only=True)
-class CapturedStep:
-    """The graphs of one step module for one set of input shapes."""
-
-    forward: fx.GraphModule
-    backward: fx.GraphModule
-    inference: fx.GraphModule
-    input_names: list[str]
-    """Primal order: ``named_parameters()``, then ``named_buffers()``, then ``arg<i>``."""
-    num_module_inputs: int
-    """How many leading primals are parameters and buffers."""
-    num_outputs: int
-    differentiable_outputs: list[int]
-    """Indices of the outputs that get a cotangent in the backward graph, in order."""
-    saved: list[SavedTensor]
-    memory_budget: float | None = None
-    random_ops: list[str] = field(default_factory=list)
-
-    @property
-    def saved_bytes(self) -> int:
-        """Activation bytes a kept step holds: the storages of the saved tensors that are not
-        inputs or views of inputs, each storage counted once."""
-        roots = {s.root: s.root_nbytes for s in self.saved if s.aliases_input is None}
-        return sum(roots.values())
-
-    @property
-    def saved_input_bytes(self) -> int:
-        """Bytes of saved tensors that are inputs (or views of them): held by the caller."""
-        roots = {s.root: s.root_nbytes for s in self.saved if s.aliases_input is not None}
-        return sum(roots.values())
-
-
-def module_input_names(module: torch.nn.Module) -> list[str]:
-    """The leading primals of the captured graphs, in AOTAutograd's order: parameters, then
-    buffers, duplicates (tied weights) kept under each name."""
-    return (list(dict(module.named_parameters(remove_duplicate=False)))
-            + list(dict(module.named_buffers(remove_duplicate=False))))
-
-
-def module_inputs(module: torch.nn.Module, replace: dict | None = None) -> list[torch.Tensor]:
-    """The tensors for those primals, optionally with some replaced by name (a reference
-    model's weights, say)."""
-    named = {**dict(module.named_parameters(remove_duplicate=False)),
-             **dict(module.named_buffers(remove_duplicate=False))}
-    if replace:
-        named.update(replace)
-    return list(named.values())
-
-
-def _nbytes(value) -> int:
-    return value.numel() * value.element_size()
 
 
 def _alias_root(node: fx.Node) -> fx.Node:
@@ -159,102 +93,6 @@ def _describe(node: fx.Node) -> str:
 
 def _random_ops(gm: fx.GraphModule) -> list[str]:
     return [_describe(n) for n in gm.graph.nodes if n.op == "call_function" and _draws_random(n)]
-
-
-def capture_step(module: torch.nn.Module, args, *, memory_budget: float | None = None,
-                 allow_random: bool = False) -> CapturedStep:
-    """Trace ``module(*args)`` (tensors only) into forward/backward/inference graphs.
-
-    ``memory_budget`` (0..1) is the partitioner's activation memory budget: below 1 the
-    min-cut partitioner saves less and recomputes more in the backward graph. Random ops in the
-    graph raise ``RandomOpInGraphError`` unless ``allow_random``.
-    """
-    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._guards import TracingContext, tracing
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    args = list(args)
-    for i, a in enumerate(args):
-        if not isinstance(a, torch.Tensor):
-            raise TypeError(f"capture_step takes tensor arguments only; argument {i} is "
-                            f"{type(a).__name__}")
-    captured: dict = {}
-
-    def keep(name):
-        def compiler(gm, example_inputs):
-            captured[name] = gm
-            if name == "forward":
-                ctx = TracingContext.try_get()
-                captured["meta"] = ctx.fw_metadata if ctx is not None else None
-            return make_boxed_func(gm.forward)
-        return compiler
-
-    def trace(grad: bool):
-        patches = {"force_non_lazy_backward_lowering": True, "enable_autograd_cache": False}
-        if memory_budget is not None:
-            patches["activation_memory_budget"] = memory_budget
-        with torch._functorch.config.patch(**patches), \
-                tracing(TracingContext(FakeTensorMode(allow_non_fake_inputs=True))), \
-                torch.set_grad_enabled(grad):
-            aot_module_simplified(
-                module, args, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                inference_compiler=keep("inference"),
-                partition_fn=min_cut_rematerialization_partition,
-                decompositions=select_decomp_table())
-
-    trace(grad=True)
-    if "backward" not in captured:
-        raise ValueError("the step has nothing to differentiate: no parameter of the module "
-                         "(or argument) that requires grad reaches its outputs")
-    trace(grad=False)
-    forward, backward, meta = captured["forward"], captured["backward"], captured["meta"]
-
-    random_ops = _random_ops(forward)
-    if random_ops and not allow_random:
-        dropouts = [f"{name} ({type(m).__name__}, p={m.p})" for name, m in module.named_modules()
-                    if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training
-                    and m.p > 0]
-        where = f"; dropout in training mode at {', '.join(dropouts)}" if dropouts else ""
-        raise RandomOpInGraphError(
-            f"the captured step draws random numbers ({', '.join(random_ops)}{where}): running it "
-            "again would not reproduce the rollout's forward, so its graph cannot be reused. "
-            "Call model.eval() (dropout), or pass the noise in as an argument.")
-
-    names = module_input_names(module)
-    input_names = names + [f"arg{i}" for i in range(len(args))]
-    num_outputs = len(meta.output_info)
-    if meta.num_mutated_inp_runtime_indices:
-        raise ValueError("the step mutates its inputs in place; capture a function that "
-                         "returns new tensors instead")
-    aliased = [i for i, o in enumerate(meta.output_info)
-               if o.output_type.name not in ("non_alias",)]
-    if aliased:
-        raise ValueError(f"outputs {aliased} of the step alias an input or another output; "
-                         "return fresh tensors (e.g. .clone()) from the step")
-    differentiable = [i for i, o in enumerate(meta.output_info) if o.requires_grad]
-
-    placeholders = [n for n in forward.graph.nodes if n.op == "placeholder"]
-    placeholder_names = {p: input_names[i] for i, p in enumerate(placeholders)}
-    fw_out = next(n for n in forward.graph.nodes if n.op == "output").args[0]
-    saved = []
-    for node in fw_out[num_outputs:]:
-        value = node.meta["val"]
-        root = _alias_root(node)
-        root_value = root.meta["val"]
-        saved.append(SavedTensor(
-            name=node.name, shape=tuple(value.shape), dtype=value.dtype, nbytes=_nbytes(value),
-            aliases_input=placeholder_names.get(root), root=root.name,
-            root_nbytes=root_value.untyped_storage().nbytes()))
-    bw_tangents = [n for n in backward.graph.nodes
-                   if n.op == "placeholder" and n.name.startswith("tangents")]
-    assert len(bw_tangents) == len(differentiable), (len(bw_tangents), differentiable)
-    return CapturedStep(
-        forward=forward, backward=backward, inference=captured["inference"],
-        input_names=input_names, num_module_inputs=len(names), num_outputs=num_outputs,
-        differentiable_outputs=differentiable, saved=saved, memory_budget=memory_budget,
-        random_ops=random_ops)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,6 +158,20 @@ class StepGraphs:
     dynamo_graph: fx.GraphModule | None = None
     """The Dynamo graph itself (``fingerprints_at``)."""
     sample_output: int | None = None
+    kept_roots: dict = field(default_factory=dict)
+    """Storages the saved tensors live in that are not inputs (or views of inputs): name ->
+    bytes (an int, or a SymInt of the batch size)."""
+
+    def kept_bytes(self, batch: int) -> int:
+        """Bytes a forward's saved tensors hold beyond its inputs, for ``batch`` rows: each
+        storage once (a view costs nothing of its own)."""
+        total = 0
+        for nbytes in self.kept_roots.values():
+            if isinstance(nbytes, torch.SymInt):
+                subs = {self.batch_symbol: batch} if self.batch_symbol is not None else {}
+                nbytes = int(nbytes.node.expr.subs(subs))
+            total += int(nbytes)
+        return total
 
     @property
     def trainable(self) -> bool:
@@ -438,7 +290,8 @@ def _structural_hashes(gm: fx.GraphModule, roles: list[InputRole], cut: int | No
 
 
 def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: str,
-                  sample_output: int | None = None) -> StepGraphs:
+                  sample_output: int | None = None,
+                  memory_budget: float | None = None) -> StepGraphs:
     """Trace a Dynamo graph through AOTAutograd into forward + backward graphs (with grad) and
     an inference graph (without), run ``graph_pass`` (leancompile's pipeline, a
     ``LeanGraphPass``) on each and compile them with ``compiler`` (``aot_eager``: as they are;
@@ -459,6 +312,9 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
         roles = [InputRole(source=r.source, kind=r.kind, batch_rows=1)
                  if r.kind == "tensor" and isinstance(v, torch.Tensor) and v.dim()
                  and isinstance(v.shape[0], torch.SymInt) and v.shape[0].node.expr == symbol
+                 # The batch size itself: one name whichever argument Dynamo read it from.
+                 else InputRole(source="<batch>", kind=r.kind)
+                 if isinstance(v, torch.SymInt) and v.node.expr == symbol
                  else r for r, v in zip(roles, fakes)]
     captured: dict = {}
 
@@ -472,6 +328,8 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
         return compiler_fn
 
     patches = {"force_non_lazy_backward_lowering": True, "enable_autograd_cache": False}
+    if memory_budget is not None:  # the partitioner saves less and recomputes more
+        patches["activation_memory_budget"] = memory_budget
     needs_grad = any(isinstance(v, torch.Tensor) and v.requires_grad for v in example_inputs)
     for grad in ((True, False) if needs_grad else (False,)):
         with torch._functorch.config.patch(**patches), torch.set_grad_enabled(grad):
@@ -555,10 +413,16 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
     run_forward = compiled(forward, None, "forward")
     layouts = dict(forward.meta.get("lean_grpo", {}).get("layouts", {})) \
         if forward is not None else {}
-    saved_meta = []
+    saved_meta, kept_roots = [], {}
     if forward is not None:
         fw_out = next(n for n in forward.graph.nodes if n.op == "output").args[0]
         saved_meta = [n.meta.get("val") for n in fw_out[num_outputs:]]
+        for node in fw_out[num_outputs:]:
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                continue
+            root = _alias_root(node)
+            if root.op != "placeholder":
+                kept_roots[root.name] = root.meta["val"].untyped_storage().nbytes()
     run_backward = compiled(backward, None, "backward")
     run_inference = compiled(inference, inf_inputs, "inference")
     return StepGraphs(
@@ -568,4 +432,5 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
         run_inference=run_inference, forward=forward, backward=backward, inference=inference,
         batch_symbol=symbol, layouts=layouts, saved_meta=saved_meta, fingerprint=fingerprint,
         sample_fingerprint=sample_fp, key_inputs=key_inputs, sample_key_inputs=sample_keys,
-        random_ops=random_ops, dynamo_graph=gm, sample_output=sample_output)
+        random_ops=random_ops, dynamo_graph=gm, sample_output=sample_output,
+        kept_roots=kept_roots)

@@ -85,6 +85,9 @@ class StepConfig:
     """``auto``: bytes the kept state may take; None: ``memory_fraction`` of the free memory
     when the rollout starts."""
     memory_fraction: float = 0.5
+    partitioner_budget: float | None = None
+    """The min-cut partitioner's activation memory budget (0..1): below 1 the forward saves
+    less and the backward recomputes cheap ops (what Retain keeps shrinks)."""
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -217,6 +220,8 @@ class _Kept:
     versions: dict = field(default_factory=dict)
     symbols: dict = field(default_factory=dict)
     nbytes: int = 0
+    samples: list | None = None
+    """Reweight: the sample of each row when the rollout named them (buffers per sample)."""
 
 
 class _State:
@@ -232,6 +237,16 @@ class _State:
         self.buffer_bytes = 0
         self.budget = 0
         self.reached = False
+        self.schedule = config.schedule
+        self.samples = None
+        self.current_samples: list[int] | None = None
+        self.sample_grads: dict = {}
+        """Reweight with ``samples``: (sample, output) -> {parameter source: summed gradient}."""
+        self.sample_rows: Counter = Counter()
+        """Reweight with ``samples``: trained rows kept per sample."""
+        self.arrived: dict = {}
+        """Reweight with ``samples``: sample -> the cotangents its rows brought so far."""
+        self.graphs_called: list = []
         self.stats = StepStats()
 
     def add(self, kept: _Kept, keys: list) -> None:
@@ -264,7 +279,15 @@ class _State:
         else:
             self.buffer_bytes -= kept.nbytes
 
+    def pending_samples(self) -> list:
+        """Samples some of whose rows reached the update, not all (their merged gradient waits
+        for the rest)."""
+        return sorted(s for s, got in self.arrived.items() if 0 < len(got) < self.sample_rows[s])
+
     def clear(self) -> None:
+        self.sample_grads.clear()
+        self.sample_rows.clear()
+        self.arrived.clear()
         for kept in list(self.kept):
             unused = [r for r in kept.rows if r not in kept.used]
             if unused:
@@ -316,8 +339,11 @@ class _GraphRuntime:
     def __call__(self, *args):
         state = self.step._state
         state.reached = True
+        state.graphs_called.append(self.g)
         args = list(args)
         grad = torch.is_grad_enabled()
+        if state.phase == "plan":  # compiled, not run: outputs of the right metadata
+            return self._finish(_empty_outputs(self.g), args)
         if state.phase == "rollout" and state.current is not None and self.g.trainable:
             return self._rollout(args, state.current, grad)
         if state.phase == "update" and self.g.trainable and grad:
@@ -435,7 +461,7 @@ class _GraphRuntime:
         if grad:
             raise ValueError("the rollout's trained calls must run under torch.no_grad() (their "
                              "outputs carry no autograd graph: the update gets the gradients)")
-        schedule = step.config.schedule
+        schedule = state.schedule
         if g.random_ops and schedule != "recompute":
             raise RandomOpInGraphError(
                 f"the wrapped step draws random numbers ({', '.join(g.random_ops[:3])}): an "
@@ -460,10 +486,14 @@ class _GraphRuntime:
             kept.nbytes = storage_bytes(saved, exclude=params)
         else:
             kept.saved = saved  # read while the per-row gradients are taken, then dropped
+            before = _buffer_bytes(state)
+            kept.samples = state.current_samples
             self._row_gradients(kept, saved)
             kept.saved = None
-            kept.nbytes = sum(t.numel() * t.element_size() for grads in kept.grads.values()
-                              for t in grads.values() if t is not None)
+            kept.nbytes = sum(t.numel() * t.element_size()
+                              for key, grads in kept.grads.items() if isinstance(key, tuple)
+                              for t in grads.values() if t is not None) + \
+                _buffer_bytes(state) - before
         keys = self.keys(args, batch, g.fingerprint)
         state.add(kept, keys)
         if g.sample_fingerprint:  # an update passing the drawn sample back matches these keys
@@ -480,11 +510,11 @@ class _GraphRuntime:
 
     def _choose(self, args, batch, rows) -> tuple[str | None, str]:
         step, state, g = self.step, self.step._state, self.g
-        schedule = step.config.schedule
+        schedule = state.schedule
         if schedule == "recompute":
             return None, "nothing (schedule='recompute')"
         fake_scalar = [j for j in g.differentiable
-                       if g.forward is not None and _numel_per_row(g, j) == 1]
+                       if g.forward is not None and _numel_per_row(g, j, batch) == 1]
         if schedule == "reweight":
             if not fake_scalar:
                 raise ValueError(
@@ -496,13 +526,16 @@ class _GraphRuntime:
         if schedule == "retain":
             return "retain", ""
         # auto: retain while the kept activations fit, then reweight, else nothing.
-        estimate = _saved_bytes(g, batch)
+        estimate = g.kept_bytes(batch)
         if state.kept_bytes + estimate <= state.budget:
             return "retain", ""
         grad_bytes = sum(args[i].numel() * args[i].element_size() for i in self.params
                          if args[i].requires_grad)
         if fake_scalar:
-            buffers = len(rows) * len(fake_scalar) * grad_bytes
+            samples = state.current_samples
+            new = len(rows) if samples is None else len(
+                {samples[r] for r in rows} - {s for s, _ in state.sample_grads})
+            buffers = new * len(fake_scalar) * grad_bytes
             if state.buffer_bytes + buffers <= state.budget - state.kept_bytes:
                 return "reweight", ""
         return None, (f"nothing (auto: {estimate} more bytes would exceed the memory budget of "
@@ -529,7 +562,19 @@ class _GraphRuntime:
                 one.reshape(-1)[0 if gather else row] = 1
                 cotangents[q] = one
                 grads = self._backward(bw_saved, row_outputs, cotangents)
-                kept.grads[(row, q)] = {source: grads[i] for i, source in trainable}
+                row_grads = {source: grads[i] for i, source in trainable}
+                if kept.samples is None:
+                    kept.grads[(row, q)] = row_grads
+                    continue
+                # One buffer per sample: its rows' gradients summed (the paper's G_i).
+                merged = self.step._state.sample_grads.setdefault((kept.samples[row], q), {})
+                for source, gr in row_grads.items():
+                    if gr is not None:
+                        merged[source] = gr if source not in merged else merged[source] + gr
+            if kept.samples is not None:
+                self.step._state.sample_rows[kept.samples[row]] += 1
+        if kept.samples is not None:
+            kept.grads["scalars"] = scalars
 
     # -- gathering -------------------------------------------------------------------------
     def _runs(self, assignment):
@@ -731,8 +776,10 @@ class _GraphRuntime:
                     grads = kg._backward(bw_saved, outs, cots)
                     add({kg.g.roles[i].source: grads[i] for i in kg.params})
             if reweight:
-                scalars = {q for kept in {id(k): k for _, (k, _) in reweight}.values()
-                           for (_, q) in kept.grads}
+                scalars = set()
+                for _, (kept, _) in reweight:
+                    scalars |= set(kept.grads.get("scalars", ()))
+                    scalars |= {key[1] for key in kept.grads if isinstance(key, tuple)}
                 for j, c in enumerate(cotangents):
                     if c is not None and j not in scalars and bool(torch.any(c != 0)):
                         raise ValueError(
@@ -742,24 +789,89 @@ class _GraphRuntime:
                             "schedule='retain', or compute that term inside the step as a "
                             "per-row scalar output")
                 for i, (kept, row) in reweight:
-                    for q in scalars:
-                        c = cotangents[q]
-                        if c is None:
-                            continue
-                        weight = c.reshape(batch, -1)[i].sum()
-                        add({source: None if gr is None else gr * weight
-                             for source, gr in kept.grads[(row, q)].items()})
+                    weights = {q: (cotangents[q].reshape(batch, -1)[i].sum()
+                                   if cotangents[q] is not None else None) for q in scalars}
+                    if kept.samples is not None:
+                        add(self._merged(kept.samples[row], weights))
+                        continue
+                    for q, weight in weights.items():
+                        if weight is not None:
+                            add({source: None if gr is None else gr * weight
+                                 for source, gr in kept.grads[(row, q)].items()})
             return [total[s] if s in total else torch.zeros_like(args[i])
                     for s, i in zip(sources, trainable)]
 
         results = Reused.apply(backward_fn, outputs, *[args[i] for i in trainable])
         return self._finish(results, args)
 
+    def _merged(self, sample, weights: dict) -> dict:
+        """Reweight with one buffer per sample: record the cotangents a row of ``sample``
+        brought; when the last of its rows arrives, all must be equal (on-policy they are
+        ``-A_i / (B |S|)``) and ``cotangent * G_i`` is its gradient."""
+        state = self.step._state
+        got = state.arrived.setdefault(sample, [])
+        got.append(weights)
+        if len(got) < state.sample_rows[sample]:
+            return {}
+        first = got[0]
+        for other in got[1:]:
+            for q, w in first.items():
+                w2 = other[q]
+                if (w is None) != (w2 is None) or (w is not None and not torch.equal(w, w2)):
+                    raise ValueError(
+                        f"reweight kept one gradient buffer for sample {sample} (the rollout "
+                        f"named its rows with samples=), but the update's cotangents for its "
+                        f"{len(got)} trained steps differ on output {q} ({first[q]} vs {w2}): "
+                        "the loss is not -A_i times the log-prob on every step (off-policy "
+                        "ratio, clipping, per-step weights). Use schedule='retain', or rollout "
+                        "without samples= (one buffer per row)")
+        total = {}
+        for q, w in first.items():
+            if w is None:
+                continue
+            for source, gr in state.sample_grads.pop((sample, q), {}).items():
+                total[source] = gr * w if source not in total else total[source] + gr * w
+        state.arrived[sample] = [None] * len(got)  # complete; its buffer is freed
+        return total
+
     def _recompute(self, args, reason: str):
         state = self.step._state
         state.stats.recomputed[reason] += 1
         state.stats.forwards_run += 1
         return self._plain(args, True)
+
+
+def _sample_ids(spec, index: int, batch: int) -> list[int] | None:
+    if spec is None:
+        return None
+    ids = spec(index) if callable(spec) else spec[index]
+    ids = torch.as_tensor(ids).flatten().tolist()
+    if len(ids) != batch:
+        raise ValueError(f"samples gives {len(ids)} sample ids for call {index} of {batch} rows")
+    return [int(i) for i in ids]
+
+
+def _buffer_bytes(state) -> int:
+    return sum(t.numel() * t.element_size() for grads in state.sample_grads.values()
+               for t in grads.values() if t is not None)
+
+
+def _empty_outputs(g: StepGraphs) -> list:
+    graph = g.forward if g.forward is not None else g.inference
+    outs = next(n for n in graph.graph.nodes if n.op == "output").args[0][:g.num_outputs]
+    hint = {}
+    if g.batch_symbol is not None:
+        hint = {g.batch_symbol: None}
+
+    def make(node):
+        val = node.meta.get("val") if isinstance(node, fx.Node) else node
+        if not isinstance(val, Tensor):
+            return val
+        shape = [int(d.node.hint) if isinstance(d, torch.SymInt) else d for d in val.shape]
+        return torch.empty(shape, dtype=val.dtype, device=val.device)
+
+    del hint
+    return [make(o) for o in outs]
 
 
 def _rows_of(c, layouts, j, batch, rows):
@@ -783,13 +895,17 @@ def _shape(g: StepGraphs, j: int):
     return tuple(val.shape) if isinstance(val, Tensor) else ()
 
 
-def _numel_per_row(g: StepGraphs, j: int):
-    """1 when output ``j`` holds one value per sample (``[s]`` or ``[s, 1]``)."""
+def _numel_per_row(g: StepGraphs, j: int, batch: int):
+    """1 when output ``j`` holds one value per sample (``[s]`` or ``[s, 1]``; for a graph with
+    a static batch, ``[batch]`` or ``[batch, 1]``)."""
     val = _val_of_output(g, j)
-    if not isinstance(val, Tensor) or g.batch_symbol is None or val.dim() == 0:
+    if not isinstance(val, Tensor) or val.dim() == 0:
         return None
     first = val.shape[0]
-    if not (isinstance(first, torch.SymInt) and first.node.expr == g.batch_symbol):
+    if g.batch_symbol is None:
+        if first != batch:
+            return None
+    elif not (isinstance(first, torch.SymInt) and first.node.expr == g.batch_symbol):
         return None
     rest = 1
     for d in val.shape[1:]:
@@ -797,20 +913,6 @@ def _numel_per_row(g: StepGraphs, j: int):
             return None
         rest *= d
     return rest
-
-
-def _saved_bytes(g: StepGraphs, batch: int) -> int:
-    """Activation bytes one forward keeps for ``batch`` rows (from the graph's metadata)."""
-    total = 0
-    symbols = {g.batch_symbol: batch} if g.batch_symbol is not None else {}
-    for val in g.saved_meta:
-        if not isinstance(val, Tensor):
-            continue
-        numel = 1
-        for d in val.shape:
-            numel *= int(d.node.expr.subs(symbols)) if isinstance(d, torch.SymInt) else int(d)
-        total += numel * val.element_size()
-    return total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -832,7 +934,8 @@ class _Backend:
         _rename_sample(gm, step.config.sample_arg)
         graphs = capture_graph(gm, example_inputs, graph_pass=graph_pass,
                                compiler=step.options.compiler,
-                               sample_output=step.config.sample_output)
+                               sample_output=step.config.sample_output,
+                               memory_budget=step.config.partitioner_budget)
         graphs.report = report
         record_report(report)
         step.reports.append(report)
@@ -891,12 +994,14 @@ class LeanStep:
         if state.phase == "rollout":
             state.stats.rollout_calls += 1
             state.current = state.train.rows(state.call_index, batch)
+            state.current_samples = _sample_ids(state.samples, state.call_index, batch)
             state.call_index += 1
         state.reached = False
         try:
             out = self._compiled(*args, **kwargs)
         finally:
             state.current = None
+            state.current_samples = None
         if state.phase is not None and not state.reached:
             # Dynamo ran the call without a compiled graph (its recompile limit, a frame it
             # skips): nothing was kept or reused. Counted, never silent.
@@ -910,14 +1015,25 @@ class LeanStep:
         return out
 
     @contextlib.contextmanager
-    def rollout(self, train=None):
+    def rollout(self, train=None, *, samples=None, schedule: str | None = None):
         """The sampling loop: calls chosen by ``train`` keep what the schedule needs (see
         ``_Train`` for the forms ``train`` takes; default: every call, every row). Starting a
-        rollout frees what an earlier one kept."""
+        rollout frees what an earlier one kept.
+
+        ``samples``: the sample (trajectory) each row of a call belongs to, as a LongTensor
+        ``[calls, rows]`` or a function ``f(call_index) -> LongTensor [rows]``. With it,
+        reweight keeps one gradient buffer per sample (the sum over its trained steps) instead
+        of one per row, and requires the update to bring the same cotangent to every trained
+        step of a sample (on-policy: ``-A_i / (B |S|)``); an optimizer step before all of a
+        sample's steps arrived raises. ``schedule`` overrides the wrapper's for this rollout."""
         state = self._state
         if state.phase is not None:
             raise RuntimeError(f"rollout() inside {state.phase}(): the phases do not nest")
+        if schedule is not None and schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULES}")
         state.clear()
+        state.schedule = schedule or self.config.schedule
+        state.samples = samples
         state.train = _Train(train)
         state.call_index = 0
         state.phase = "rollout"
@@ -942,12 +1058,48 @@ class LeanStep:
             raise RuntimeError(f"update() inside {state.phase}(): the phases do not nest")
         state.phase = "update"
         start = time.perf_counter()
+
+        def before_step(optimizer, args, kwargs):
+            pending = state.pending_samples()
+            if pending:
+                raise RuntimeError(
+                    f"optimizer.step() before every trained step of samples {pending} reached "
+                    "the update: reweight keeps one gradient per sample (samples=) and applies "
+                    "it when the sample's last step arrives; step the optimizer after them, or "
+                    "rollout without samples= (one buffer per row)")
+
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        hook = register_optimizer_step_pre_hook(before_step)
         try:
             yield self
+            pending = state.pending_samples()
+            if pending:
+                raise RuntimeError(
+                    f"update() ended with samples {pending} only partly updated: their "
+                    "merged reweight gradients were never applied (every trained step of a "
+                    "sample must reach the update)")
         finally:
+            hook.remove()
             state.phase = None
             state.clear()
             state.stats.update_seconds += time.perf_counter() - start
+
+    def plan(self, *args, **kwargs) -> list[StepGraphs]:
+        """Compile the graphs a call with these arguments runs, without running them (the
+        outputs are uninitialised), and return them: what ``explain`` and a trainer's plans
+        read (saved bytes, row layouts, FLOPs)."""
+        state = self._state
+        if state.phase is not None:
+            raise RuntimeError(f"plan() inside {state.phase}()")
+        state.phase = "plan"
+        state.graphs_called = []
+        try:
+            with torch.no_grad():
+                self(*args, **kwargs)
+        finally:
+            state.phase = None
+        return list(state.graphs_called)
 
     def reset_stats(self) -> StepStats:
         """Return the stats so far and start counting anew."""

@@ -100,7 +100,6 @@ def mean_latent_reward(latents, conditions):
 
 
 def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
-    from ..capture import module_inputs
     from ..grpo.trainer import GRPOConfig, GRPOTrainer
 
     if config.threads:
@@ -152,22 +151,26 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
         entry["grad_cosine"] = torch.nn.functional.cosine_similarity(g, reference, dim=0).item()
         entry["grad_rel_l2"] = ((g - reference).norm() / reference.norm()).item()
 
-    # The ideal ratio from the graphs themselves, full batch at one step.
+    # The ideal ratio from the step itself, full batch at one step: its inference graph (F0),
+    # its forward graph with grad (F) and its backward graph (B), through the same LeanStep.
     keys = list(conditions)
     batch = config.prompts * config.group_size
-    sample = trainer._step_module("sample", keys)
-    graph = next(step for key, step in trainer.graphs._cache.items()
-                 if key[0] == id(sample) and key[2][0][0] == batch and key[-1] is None)
+    lean = trainer.lean_step(keys)
     latents = policy.initial_latents(batch, gen()).float()
     cond = [conditions[k].repeat_interleave(config.group_size, 0) for k in keys]
-    args = [latents, torch.full((batch,), 1, dtype=torch.long), torch.randn_like(latents)] + cond
-    inputs = module_inputs(sample)
+    args = [latents, torch.full((batch,), 1, dtype=torch.long)] + cond
+    noise = torch.randn_like(latents)
     with torch.no_grad():
-        f0 = _median_seconds(lambda: graph.run_inference(inputs, args), 5)
-        f = _median_seconds(lambda: graph.run_forward(inputs, args), 5)
-        outs, saved = graph.run_forward(inputs, args)
-        cot = [torch.ones_like(outs[i]) for i in graph.captured.differentiable_outputs]
-        b = _median_seconds(lambda: graph.run_backward(saved, cot), 5)
+        f0 = _median_seconds(lambda: lean(*args, noise=noise), 5)
+    f = _median_seconds(lambda: lean(*args, noise=noise), 5)
+    def backward():
+        out = lean(*args, noise=noise)
+        start = time.perf_counter()
+        out[1].sum().backward()
+        return time.perf_counter() - start
+    b = statistics.median(backward() for _ in range(5))
+    for p in policy.parameters():
+        p.grad = None
     ideal = (f0 + f + b) / (f + b)
     lean = {k: v for k, v in results.items() if k != "recompute"}
     best = max(lean, key=lambda k: lean[k]["ratio_to_recompute"]) if lean else None

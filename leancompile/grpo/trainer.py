@@ -3,8 +3,15 @@
 ``GRPOTrainer(policy, reward_fn, optimizer, config)``: ``compute_gradients(conditions)`` runs
 one rollout and its update under the schedule ``config.schedule`` (``auto`` picks one) and
 returns the gradients without touching the optimizer; ``step(conditions)`` also applies them.
-The trainer only composes pieces: timestep selection, the captured ``PolicyStep`` graphs, the
-schedule plans (``leancompile.passes.lean_grpo``), the ``ScheduleRunner``, rewards, group
+
+The trainer is a user of ``leancompile.lean_compile(schedule=...)`` like any other loop: its
+policy step (``PolicyStep``: velocity + SDE transition + log-prob [+ KL]) is a ``LeanStep``;
+the rollout calls it under ``rollout()`` (trained rows chosen by the timestep selection, rows
+named by their sample), the update calls it again under ``update()`` with the same inputs and
+backpropagates the PPO loss through what it returns. What runs where (the kept activations,
+the per-sample gradient buffers, or a recomputed forward) is the ``LeanStep``'s business. The
+trainer composes the rest: timestep selection, the plans and ``auto``'s choice
+(``leancompile.passes.lean_grpo``) from the graphs the step compiles to, rewards, group
 advantages.
 """
 
@@ -12,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
 import time
 import warnings
@@ -22,14 +28,14 @@ from typing import Callable, Mapping
 import torch
 import torch.nn as nn
 
-from ..capture import RandomOpInGraphError, module_input_names, module_inputs
-from ..passes.lean_grpo import (SCHEDULES, SchedulePlan, ScheduleReport, build_schedule_plans,
-                                choose_schedule, graph_flops)
+from ..capture import RandomOpInGraphError
+from ..options import CompileOptions
+from ..passes.lean_grpo import (SCHEDULES, SchedulePlan, ScheduleReport, StepCosts,
+                                build_schedule_plans, choose_schedule, graph_flops)
+from ..step import LeanStep, StepConfig
 from .advantages import AdvantageConfig, group_advantages, group_ids_for
-from .graphs_cache import StepGraphCache
 from .rewards import check_rewards
-from .runner import ScheduleRunner
-from .sde import SDE_KINDS
+from .sde import SDE_KINDS, sde_step
 from .step import PolicyStep
 from .timesteps import TimestepSelection, same_noise_latents, select_timesteps
 
@@ -163,6 +169,40 @@ def _free_memory_bytes(device: torch.device) -> int:
         return 8 << 30
 
 
+class _Velocity(nn.Module):
+    """``policy.velocity`` as a module's forward, for ``torch.func.functional_call`` with the
+    reference weights (the KL term)."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, latents, step_index, conditions):
+        return self.policy.velocity(latents, step_index, conditions)
+
+
+@dataclass(kw_only=True)
+class _Setup:
+    """What is drawn and planned before a rollout."""
+
+    keys: list
+    num_prompts: int
+    batch: int
+    cond: dict
+    cond_list: list
+    selected: torch.Tensor
+    latents0: torch.Tensor
+    noise: torch.Tensor
+    chunk_steps: list
+    mask: torch.Tensor
+    lean: LeanStep
+    schedule: str
+    reason: str
+    plans: dict
+    partitioner_budget: float | None
+    budget_bytes: int
+
+
 class GRPOTrainer:
     """See the module docstring. ``optimizer`` may be None for gradient-only use."""
 
@@ -173,12 +213,12 @@ class GRPOTrainer:
         self.reward_fn = reward_fn
         self.optimizer = optimizer
         self.config = config
-        self.graphs = StepGraphCache(compiler=config.compiler)
-        self._modules: dict = {}
         self.trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the policy has no parameter with requires_grad=True")
+        self._velocity = _Velocity(policy)
         self._reference = self._make_reference() if config.beta > 0 else None
+        self._steps: dict = {}
         self.last_rollout: Rollout | None = None
 
     # -- set-up -------------------------------------------------------------------------------
@@ -197,14 +237,19 @@ class GRPOTrainer:
         return {f"policy.{n}": p.detach().clone() for n, p in self.policy.named_parameters()
                 if p.requires_grad}
 
-    def _step_module(self, mode: str, keys) -> PolicyStep:
+    def lean_step(self, keys, partitioner_budget: float | None = None) -> LeanStep:
+        """The policy step compiled with LeanGRPO schedules (one per condition keys and
+        partitioner budget)."""
         cfg = self.config
-        key = (mode, tuple(keys), cfg.sde, cfg.eta, cfg.beta > 0)
-        if key not in self._modules:
-            self._modules[key] = PolicyStep(
-                self.policy, sde=self.config.sde, eta=self.config.eta, condition_keys=keys,
-                mode=mode, with_mean=self.config.beta > 0)
-        return self._modules[key]
+        key = (tuple(keys), partitioner_budget)
+        if key not in self._steps:
+            module = PolicyStep(self.policy, sde=cfg.sde, eta=cfg.eta, condition_keys=keys,
+                                with_kl=cfg.beta > 0)
+            self._steps[key] = LeanStep(
+                module, options=CompileOptions(compiler=cfg.compiler, schedule="auto"),
+                config=StepConfig(schedule="retain", partitioner_budget=partitioner_budget,
+                                  sample_output=0, sample_arg="prev_sample"))
+        return self._steps[key]
 
     def _grad_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for n, p in self.policy.named_parameters()
@@ -213,64 +258,99 @@ class GRPOTrainer:
     def _versions(self) -> dict[str, int]:
         return {n: p._version for n, p in self.policy.named_parameters() if p.requires_grad}
 
+    def _budget_bytes(self, device) -> int:
+        cfg = self.config
+        if cfg.memory_budget_bytes is not None:
+            return cfg.memory_budget_bytes
+        return int(_free_memory_bytes(device) * cfg.memory_fraction)
+
+    def _call_args(self, x, k: int, cond_list, local) -> list:
+        """The positional arguments of a step call on the rows ``local`` (with a placeholder
+        reference mean for the KL, filled in for trained calls)."""
+        step = torch.full((local.numel(),), k, dtype=torch.long)
+        args = [x[local], step] + [c[local] for c in cond_list]
+        if self.config.beta > 0:
+            args.append(torch.zeros_like(args[0]))
+        return args
+
+    def _reference_mean(self, args, keys, noise) -> torch.Tensor:
+        """The reference policy's transition mean for one call's rows (no grad)."""
+        cfg = self.config
+        x, step = args[0], args[1]
+        cond = dict(zip(keys, args[2:2 + len(keys)]))
+        with torch.no_grad():
+            v = torch.func.functional_call(self._velocity, self._reference, (x, step, cond),
+                                           strict=False)
+            sigmas = self.policy.sigmas.to(x.device)
+            out = sde_step(cfg.sde, latents=x, velocity=v, sigma=sigmas[step],
+                           sigma_next=sigmas[step + 1], eta=cfg.eta, sigma_max=sigmas[1],
+                           noise=noise)
+        return out.mean
+
     # -- schedule choice ---------------------------------------------------------------------
-    def _plans(self, sample_module, example, mask, schedule, allow_random):
-        """Capture the sample graphs, build the three plans, pick one (auto, with smaller
+    def _graphs(self, lean: LeanStep, example):
+        args, kwargs = example
+        graphs = lean.plan(*args, **kwargs)
+        if len(graphs) != 1:
+            raise RuntimeError(f"the policy step compiled to {len(graphs)} graphs (a graph "
+                               "break); the trainer plans from one")
+        return graphs[0]
+
+    def _plans(self, keys, example, mask, schedule):
+        """Plan the three schedules from the step's graphs, pick one (auto, with smaller
         partitioner budgets for retain when it does not fit)."""
         cfg = self.config
-        device = example[0].device
-        budget_bytes = self._budget_bytes(device)
-        rows_per_step = mask.sum(0).tolist()
+        budget_bytes = self._budget_bytes(example[0][0].device)
+        rows_per_step = [n for n in mask.sum(0).tolist() if n]
         num_rows, num_steps = mask.shape
         samples_in_flight = num_rows if cfg.global_std else cfg.group_size
 
-        def args_for(n):
-            return [a[:n] for a in example]
-
         def plans_for(partitioner_budget):
-            full = self.graphs.get(sample_module, args_for(num_rows), key="sample",
-                                   memory_budget=partitioner_budget, allow_random=allow_random)
-            retain_bytes = 0
-            for n in rows_per_step:
-                if n:
-                    retain_bytes += self.graphs.get(
-                        sample_module, args_for(n), key="sample", memory_budget=partitioner_budget,
-                        allow_random=allow_random).captured.saved_bytes
-            if schedule in ("auto", "reweight"):
-                one = self.graphs.get(sample_module, args_for(1), key="sample",
-                                      memory_budget=partitioner_budget,
-                                      allow_random=allow_random).captured.saved_bytes
-            else:  # not run: an estimate is enough for the report
-                one = full.captured.saved_bytes // num_rows
-            if full.costs is None:
-                full.costs = graph_flops(full.captured)
+            graph = self._graphs(self.lean_step(keys, partitioner_budget), example)
+            symbol = graph.batch_symbol
+            costs = StepCosts(
+                saved_bytes=graph.kept_bytes(num_rows),
+                forward_flops=graph_flops(graph.forward, symbol, num_rows),
+                backward_flops=graph_flops(graph.backward, symbol, num_rows),
+                inference_flops=graph_flops(graph.inference, symbol, num_rows))
             return build_schedule_plans(
-                costs=full.costs, selected_calls=sum(1 for n in rows_per_step if n),
-                total_calls=num_steps, retain_bytes=retain_bytes,
-                reweight_call_bytes=one,
+                costs=costs, selected_calls=len(rows_per_step), total_calls=num_steps,
+                retain_bytes=sum(graph.kept_bytes(n) for n in rows_per_step),
+                reweight_call_bytes=max(graph.kept_bytes(n) for n in rows_per_step),
                 samples_in_flight=samples_in_flight, grad_bytes=self._grad_bytes(),
                 with_kl=cfg.beta > 0, memory_budget_bytes=budget_bytes,
-                partitioner_budget=partitioner_budget)
+                partitioner_budget=partitioner_budget), graph
 
-        plans = plans_for(None)
+        plans, graph = plans_for(None)
+        if graph.random_ops and schedule != "recompute":
+            dropouts = [f"{name} ({type(m).__name__}, p={m.p})"
+                        for name, m in self.policy.named_modules()
+                        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training
+                        and m.p > 0]
+            where = f"; dropout in training mode at {', '.join(dropouts)}" if dropouts else ""
+            raise RandomOpInGraphError(
+                f"schedule={schedule!r}: the captured step draws random numbers "
+                f"({', '.join(graph.random_ops)}{where}): running it again would not reproduce "
+                "the rollout's forward, so its graph cannot be reused. Call model.eval() "
+                "(dropout), or pass the noise in as an argument.")
         if schedule != "auto":
-            return schedule, f"schedule={schedule!r} requested", plans, None
+            return schedule, f"schedule={schedule!r} requested", plans, None, budget_bytes
         name, reason = choose_schedule(plans)
         if name == "retain":
-            return name, reason, plans, None
+            return name, reason, plans, None, budget_bytes
         for partitioner_budget in cfg.partitioner_budgets:
-            smaller = plans_for(partitioner_budget)
+            smaller, _ = plans_for(partitioner_budget)
             if smaller["retain"].fits:
                 plans["retain"] = smaller["retain"]
                 return "retain", (f"retain with the partitioner's activation budget "
                                   f"{partitioner_budget}: keeps "
                                   f"{smaller['retain'].peak_bytes} bytes, within "
-                                  f"{budget_bytes}"), plans, partitioner_budget
+                                  f"{budget_bytes}"), plans, partitioner_budget, budget_bytes
         return name, reason + f" (also at partitioner budgets {cfg.partitioner_budgets})", \
-            plans, None
+            plans, None, budget_bytes
 
-    def _setup(self, conditions, generator, *, schedule, chunks) -> "_Setup":
-        """Everything drawn and captured before the rollout, and the chosen plan."""
+    def _setup(self, conditions, generator, *, schedule, chunks) -> _Setup:
+        """Everything drawn before the rollout, the plans and the chosen schedule."""
         cfg = self.config
         keys = list(conditions)
         num_prompts = next(iter(conditions.values())).shape[0]
@@ -298,56 +378,44 @@ class GRPOTrainer:
         chunk_steps = list(torch.tensor_split(selected, chunks, dim=1))
         mask = torch.zeros(batch, num_steps, dtype=torch.bool)
         mask.scatter_(1, chunk_steps[0], True)
-
-        sample_module = self._step_module("sample", keys)
-        score_module = self._step_module("score", keys)
-        example = [latents0, torch.zeros(batch, dtype=torch.long), noise[0]] + cond_list
         schedule = cfg.schedule if schedule is None else schedule
         if schedule not in SCHEDULES + ("auto",):
             raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULES + ('auto',)}")
-        allow_random = schedule == "recompute"
-        try:
-            schedule, reason, plans, partitioner_budget = self._plans(
-                sample_module, example, mask, schedule, allow_random)
-        except RandomOpInGraphError as err:
-            raise RandomOpInGraphError(f"schedule={schedule!r}: {err}") from None
-
+        example = (self._call_args(latents0, 0, cond_list, torch.arange(batch)),
+                   {"noise": noise[0]})
+        schedule, reason, plans, partitioner_budget, budget_bytes = self._plans(
+            keys, example, mask, schedule)
         return _Setup(keys=keys, num_prompts=num_prompts, batch=batch, cond=cond,
                       cond_list=cond_list, selected=selected, latents0=latents0, noise=noise,
-                      chunk_steps=chunk_steps, mask=mask, sample_module=sample_module,
-                      score_module=score_module, schedule=schedule, allow_random=allow_random,
+                      chunk_steps=chunk_steps, mask=mask,
+                      lean=self.lean_step(keys, partitioner_budget), schedule=schedule,
                       reason=reason, plans=plans, partitioner_budget=partitioner_budget,
-                      budget_bytes=self._budget_bytes(latents0.device))
+                      budget_bytes=budget_bytes)
 
     def explain(self, conditions: Mapping[str, torch.Tensor], generator=None, *,
                 schedule: str | None = None) -> ScheduleReport:
-        """Capture the step graphs and build the plans for this batch without running the
-        rollout: the three schedules with memory and time estimates, and the choice."""
+        """Compile the step graphs and build the plans for this batch without running the
+        rollout: the three schedules with memory and time estimates, the choice, and what the
+        pipeline's LeanGRPO stage found in the step's forward graph."""
         st = self._setup(conditions, generator, schedule=schedule, chunks=1)
-        graph = self.graphs.get(st.sample_module, [
-            st.latents0, torch.zeros(st.batch, dtype=torch.long), st.noise[0]] + st.cond_list,
-            key="sample", memory_budget=st.partitioner_budget, allow_random=st.allow_random)
+        graph = self._graphs(st.lean, (self._call_args(st.latents0, 0, st.cond_list,
+                                                       torch.arange(st.batch)),
+                                       {"noise": st.noise[0]}))
         nodes = {name: len(gm.graph.nodes) for name, gm in (
-            ("forward", graph.captured.forward), ("backward", graph.captured.backward),
-            ("inference", graph.captured.inference))}
+            ("forward", graph.forward), ("backward", graph.backward),
+            ("inference", graph.inference))}
         return ScheduleReport(
             plans=st.plans, chosen=st.schedule, reason=st.reason, batch=st.batch,
             num_steps=st.noise.shape[0], selected_per_sample=st.chunk_steps[0].shape[1],
-            saved_bytes_per_call=graph.captured.saved_bytes,
-            memory_budget_bytes=st.budget_bytes, graph_nodes=nodes)
-
-    def _budget_bytes(self, device) -> int:
-        cfg = self.config
-        if cfg.memory_budget_bytes is not None:
-            return cfg.memory_budget_bytes
-        return int(_free_memory_bytes(device) * cfg.memory_fraction)
+            saved_bytes_per_call=graph.kept_bytes(st.batch),
+            memory_budget_bytes=st.budget_bytes, graph_nodes=nodes, pipeline=graph.report)
 
     # -- the main entry ----------------------------------------------------------------------
     def compute_gradients(self, conditions: Mapping[str, torch.Tensor], generator=None, *,
                           schedule: str | None = None) -> GradResult:
         """Rollout + gradients (no optimizer step). ``conditions``: one row per prompt; each
         row is repeated ``group_size`` times (rows are prompt-major). ``schedule`` overrides
-        ``config.schedule`` for this call (the captured graphs are shared)."""
+        ``config.schedule`` for this call (the compiled graphs are shared)."""
         return self.rollout(conditions, generator, schedule=schedule).update()
 
     def rollout(self, conditions: Mapping[str, torch.Tensor], generator=None, *,
@@ -359,69 +427,42 @@ class GRPOTrainer:
         goes through the schedule (``pending.update(chunk=c)`` recomputes chunk ``c``)."""
         cfg = self.config
         st = self._setup(conditions, generator, schedule=schedule, chunks=chunks)
-        batch, cond, cond_list, mask, plans = st.batch, st.cond, st.cond_list, st.mask, st.plans
-        sample_module, score_module, schedule = st.sample_module, st.score_module, st.schedule
-        latents0, noise, chunk_steps = st.latents0, st.noise, st.chunk_steps
-        inputs = module_inputs(sample_module)
-        ref_inputs = module_inputs(sample_module, self._reference) if self._reference else None
-        names = module_input_names(sample_module)
-        trainable_idx = [names.index(f"policy.{n}") for n in self.trainable]
-
-        def runner_for(name, norm, budget=None):
-            return ScheduleRunner(
-                plan=plans[name], graphs=self.graphs, sample_module=sample_module,
-                score_module=score_module, module_inputs=inputs, ref_inputs=ref_inputs,
-                trainable=trainable_idx, beta=cfg.beta, clip_range=cfg.clip_range, norm=norm,
-                partitioner_budget=budget, allow_random=st.allow_random or name == "recompute")
-
-        runner = runner_for(schedule, batch * chunk_steps[0].shape[1], st.partitioner_budget)
-        versions = self._versions()
+        st.lean.reset_stats()
+        pending = PendingUpdate(trainer=self, setup=st, versions=self._versions())
         adv_config = AdvantageConfig(global_std=cfg.global_std, adv_clip_max=cfg.adv_clip_max)
         group_ids = group_ids_for(st.num_prompts, cfg.group_size)
-
         start = time.perf_counter()
-        rewards = torch.zeros(batch)
-        if schedule == "reweight":
-            trajectory, log_probs = self._reweight_rollout(
-                runner, latents0, noise, cond_list, cond, mask, rewards, adv_config, group_ids)
+        rewards = torch.zeros(st.batch)
+        advantages = torch.zeros(st.batch)
+        trajectory = torch.empty((st.batch, st.noise.shape[0] + 1) + tuple(st.latents0.shape[1:]))
+        log_probs = torch.zeros(st.batch, st.noise.shape[0])
+        # Reweight with per-group statistics updates a group as soon as it is scored, freeing
+        # its gradient buffers; everything else scores the whole batch first.
+        per_group = st.schedule == "reweight" and not cfg.global_std
+        groups = ([torch.arange(g, g + cfg.group_size) for g in range(0, st.batch, cfg.group_size)]
+                  if per_group else [torch.arange(st.batch)])
+        pending.stash_grads()
+        for rows in groups:
+            traj, lps = pending.sample(rows)
+            trajectory[rows], log_probs[rows] = traj, lps
+            group_cond = {k: v[rows] for k, v in st.cond.items()}
+            rewards[rows] = check_rewards(self.reward_fn(traj[:, -1], group_cond), rows.numel())
+            if per_group:
+                advantages[rows] = group_advantages(rewards[rows], group_ids[rows] * 0,
+                                                    adv_config)
+                pending.train(rows, advantages, trajectory, log_probs, chunk=0)
+        if not per_group:
+            advantages = group_advantages(rewards, group_ids, adv_config)
         else:
-            trajectory, log_probs = runner.rollout(
-                latents=latents0, noise=noise, conditions=cond_list, selected=mask,
-                rows=torch.arange(batch))
-            rewards = check_rewards(self.reward_fn(trajectory[:, -1], cond), batch)
-        advantages = group_advantages(rewards, group_ids, adv_config)
-        rollout_seconds = time.perf_counter() - start
-        record = Rollout(latents=trajectory, selected=st.selected, log_probs=log_probs,
-                         rewards=rewards, advantages=advantages, conditions=cond, noise=noise)
-        self.last_rollout = record
-        return PendingUpdate(trainer=self, runner=runner, runner_for=runner_for,
-                             schedule=schedule, reason=st.reason, plans=plans, rollout=record,
-                             chunk_steps=chunk_steps, versions=versions,
-                             cond_list=cond_list, rollout_seconds=rollout_seconds)
-
-    def _reweight_rollout(self, runner, latents0, noise, cond_list, cond, mask, rewards,
-                          adv_config, group_ids):
-        """Reweight, one prompt group at a time: with per-group advantage statistics a group
-        is corrected (``grad += A_i G_i``) as soon as it is scored, freeing its buffers; with
-        ``global_std`` the correction waits until every group is scored."""
-        g = self.config.group_size
-        batch = latents0.shape[0]
-        trajectories, log_probs = [], []
-        for start in range(0, batch, g):
-            rows = torch.arange(start, start + g)
-            traj, lp = runner.rollout(latents=latents0[rows], noise=noise[:, rows],
-                                      conditions=[c[rows] for c in cond_list],
-                                      selected=mask[rows], rows=rows)
-            trajectories.append(traj)
-            log_probs.append(lp)
-            group_cond = {k: v[rows] for k, v in cond.items()}
-            rewards[rows] = check_rewards(self.reward_fn(traj[:, -1], group_cond), g)
-            if not adv_config.global_std:
-                group_adv = group_advantages(rewards[rows], group_ids[rows] * 0, adv_config)
-                full = torch.zeros(batch)
-                full[rows] = group_adv
-                runner.scale_buffers(full, samples=rows.tolist())
-        return torch.cat(trajectories), torch.cat(log_probs)
+            pending.rollout_grads = pending.collect()
+        pending.restore_grads()
+        pending.rollout_seconds = time.perf_counter() - start
+        pending.rollout = Rollout(latents=trajectory, selected=st.selected, log_probs=log_probs,
+                                  rewards=rewards, advantages=advantages, conditions=st.cond,
+                                  noise=st.noise)
+        pending.trained_in_rollout = per_group
+        self.last_rollout = pending.rollout
+        return pending
 
     # -- training step -----------------------------------------------------------------------
     def step(self, conditions: Mapping[str, torch.Tensor], generator=None) -> dict:
@@ -463,47 +504,120 @@ class GRPOTrainer:
         return float(norm)
 
 
-@dataclass(kw_only=True)
-class _Setup:
-    """What is drawn and captured before a rollout, and the chosen plan."""
-
-    keys: list
-    num_prompts: int
-    batch: int
-    cond: dict
-    cond_list: list
-    selected: torch.Tensor
-    latents0: torch.Tensor
-    noise: torch.Tensor
-    chunk_steps: list
-    mask: torch.Tensor
-    sample_module: PolicyStep
-    score_module: PolicyStep
-    schedule: str
-    allow_random: bool
-    reason: str
-    plans: dict
-    partitioner_budget: float | None
-    budget_bytes: int
-
-
 class PendingUpdate:
     """A scored rollout waiting for its update; see ``GRPOTrainer.rollout``."""
 
-    def __init__(self, *, trainer, runner, runner_for, schedule, reason, plans, rollout,
-                 chunk_steps, versions, cond_list, rollout_seconds):
+    def __init__(self, *, trainer: GRPOTrainer, setup: _Setup, versions):
         self.trainer = trainer
-        self.runner = runner
-        self.runner_for = runner_for
-        self.schedule = schedule
-        self.reason = reason
-        self.plans = plans
-        self.rollout = rollout
-        self.chunk_steps = chunk_steps
+        self.setup = setup
+        self.schedule = setup.schedule
+        self.reason = setup.reason
+        self.plans = setup.plans
+        self.chunk_steps = setup.chunk_steps
         self.versions = versions
-        self.cond_list = cond_list
-        self.rollout_seconds = rollout_seconds
+        self.rollout: Rollout | None = None
+        self.rollout_seconds = 0.0
+        self.trained_in_rollout = False
         self._done: set[int] = set()
+        self._mean_refs: dict = {}
+        self._kl: list[torch.Tensor] = []
+        self._stash: dict = {}
+        self.rollout_grads: dict | None = None
+        self._retained = self._buffered = 0
+
+    # -- gradients live in .grad while the trainer computes them ------------------------------
+    def stash_grads(self) -> None:
+        """Set the user's ``.grad`` aside (``restore_grads`` puts it back)."""
+        self._stash = {n: p.grad for n, p in self.trainer.policy.named_parameters()}
+        for p in self.trainer.policy.parameters():
+            p.grad = None
+
+    def collect(self) -> dict[str, torch.Tensor]:
+        params = dict(self.trainer.policy.named_parameters())
+        grads = {}
+        for name in self.trainer.trainable:
+            p = params[name]
+            grads[name] = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+            p.grad = None
+        return grads
+
+    def restore_grads(self) -> None:
+        for name, p in self.trainer.policy.named_parameters():
+            p.grad = self._stash.get(name)
+
+    # -- rollout and update loops ------------------------------------------------------------
+    def sample(self, rows: torch.Tensor):
+        """Denoise the samples ``rows`` through all steps under ``rollout()``: calls of the
+        selected rows are trained (named by their sample), the others are not."""
+        st, trainer = self.setup, self.trainer
+        lean = st.lean
+        num_steps = st.noise.shape[0]
+        x = st.latents0[rows]
+        trajectory = [x]
+        log_probs = torch.zeros(rows.numel(), num_steps)
+        flags, samples = [], []
+        split = st.schedule != "recompute"
+        with lean.rollout(train=lambda i: flags[i], samples=lambda i: samples[i],
+                          schedule=st.schedule), torch.no_grad():
+            for k in range(num_steps):
+                x_next = torch.empty_like(x)
+                sel = st.mask[rows, k]
+                parts = [(~sel).nonzero().flatten(), sel.nonzero().flatten()] if split else \
+                    [torch.arange(rows.numel())]
+                for local, trained in zip(parts, (False, True)):
+                    if local.numel() == 0:
+                        continue
+                    trained = trained and split
+                    args = trainer._call_args(x, k, [c[rows] for c in st.cond_list], local)
+                    noise = st.noise[k][rows][local]
+                    if trained and trainer.config.beta > 0:
+                        args[-1] = trainer._reference_mean(args, st.keys, noise)
+                        self._mean_refs[(k, tuple(rows[local].tolist()))] = args[-1]
+                    flags.append(trained)
+                    samples.append(rows[local])
+                    out = lean(*args, noise=noise)
+                    x_next[local], log_probs[local, k] = out[0], out[1]
+                x = x_next
+                trajectory.append(x)
+        stats = lean.stats
+        self._retained = max(self._retained, stats.peak_kept_bytes)
+        self._buffered = max(self._buffered, stats.peak_buffer_bytes)
+        return torch.stack(trajectory, dim=1), log_probs
+
+    def train(self, rows, advantages, trajectory, log_probs, *, chunk: int) -> None:
+        """The update of ``rows`` for chunk ``chunk`` of the selected steps: each step's
+        selected rows called again (same inputs) under ``update()``, the PPO loss (+ KL)
+        backpropagated into ``.grad``."""
+        st, trainer, cfg = self.setup, self.trainer, self.trainer.config
+        lean = st.lean
+        steps = self.chunk_steps[chunk]
+        mask = torch.zeros(st.batch, st.noise.shape[0], dtype=torch.bool)
+        mask.scatter_(1, steps, True)
+        norm = float(st.batch * steps.shape[1])
+        with lean.update():
+            for k in range(st.noise.shape[0]):
+                local = mask[rows, k].nonzero().flatten()
+                if local.numel() == 0:
+                    continue
+                glob = rows[local]
+                args = trainer._call_args(trajectory[rows, k], k,
+                                          [c[rows] for c in st.cond_list], local)
+                if cfg.beta > 0:
+                    key = (k, tuple(glob.tolist()))
+                    args[-1] = self._mean_refs[key] if key in self._mean_refs else \
+                        trainer._reference_mean(args, st.keys, st.noise[k][glob])
+                out = lean(*args, prev_sample=trajectory[glob, k + 1])
+                ratio = torch.exp(out[1] - log_probs[glob, k])
+                adv = advantages[glob].float()
+                clipped = torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
+                loss = torch.maximum(-adv * ratio, -adv * clipped).sum() / norm
+                if cfg.beta > 0:
+                    loss = loss + cfg.beta * out[2].sum() / norm
+                    self._kl.append(out[2].detach())
+                loss.backward()
+        stats = lean.stats
+        self._retained = max(self._retained, stats.peak_kept_bytes)
+        self._buffered = max(self._buffered, stats.peak_buffer_bytes)
 
     def update(self, chunk: int = 0) -> GradResult:
         """Gradients of chunk ``chunk`` of the selected steps (0: the schedule's; later
@@ -514,41 +628,35 @@ class PendingUpdate:
             raise ValueError(f"chunk={chunk}; this rollout has {len(self.chunk_steps)} chunks")
         self._done.add(chunk)
         trainer, record = self.trainer, self.rollout
-        batch = record.latents.shape[0]
-        steps = self.chunk_steps[chunk]
-        norm = batch * steps.shape[1]
         start = time.perf_counter()
-        runner, used = self.runner, self.schedule
         stale = trainer._versions() != self.versions
-        if chunk > 0 or (stale and used != "recompute"):
-            if chunk == 0:
-                warnings.warn(
-                    "the policy's parameters changed between rollout and update (an optimizer "
-                    "step or an in-place change): the kept activations / gradient buffers are "
-                    "stale, so this update is recomputed", OffPolicyWarning, stacklevel=2)
-            runner, used = self.runner_for("recompute", norm), "recompute"
-            self.runner.retained.clear()
-            self.runner.buffers.clear()
-        rows = torch.arange(batch)
-        if used == "recompute":
-            runner.recompute(trajectory=record.latents, old_log_probs=record.log_probs,
-                             selected_steps=steps, conditions=self.cond_list,
-                             advantages=record.advantages, rows=rows)
-        elif used == "retain":
-            runner.backward_retained(record.advantages)
-        else:
-            runner.scale_buffers(record.advantages)
-            runner.finish_kl()
-        runner.sync()
-        update_seconds = time.perf_counter() - start
-        grads = {}
-        params = dict(trainer.policy.named_parameters())
-        for name, g in zip(trainer.trainable, runner.grads):
-            p = params[name]
-            grads[name] = torch.zeros_like(p) if g is None else g.to(p.dtype)
-        kl_values = runner.kl_values
-        kl = torch.cat(kl_values).mean().item() if kl_values else 0.0
+        lean = self.setup.lean
+        before = lean.stats.reused_calls
+        if chunk == 0 and stale and self.schedule != "recompute":
+            warnings.warn(
+                "the policy's parameters changed between rollout and update (an optimizer "
+                "step or an in-place change): the kept activations / gradient buffers are "
+                "stale, so this update is recomputed", OffPolicyWarning, stacklevel=2)
+        rows = torch.arange(record.latents.shape[0])
+        self.stash_grads()
+        try:
+            if chunk == 0 and self.trained_in_rollout and not stale:
+                grads = self.rollout_grads  # reweight updated each group as it was scored
+            else:
+                if chunk > 0 or stale:
+                    self._kl.clear()
+                self.train(rows, record.advantages, record.latents, record.log_probs,
+                           chunk=chunk)
+                grads = self.collect()
+        finally:
+            self.restore_grads()
+        reused = lean.stats.reused_calls > before or (
+            self.trained_in_rollout and chunk == 0 and not stale)
+        used = self.schedule if reused and self.schedule != "recompute" else "recompute"
+        kl = torch.cat(self._kl).mean().item() if self._kl else 0.0
+        self._kl.clear()
         return GradResult(grads=grads, rollout=record, schedule=used, reason=self.reason,
-                          plans=self.plans, retained_bytes=self.runner.peak_retained_bytes,
-                          buffer_bytes=self.runner.peak_buffer_bytes, kl=kl,
-                          rollout_seconds=self.rollout_seconds, update_seconds=update_seconds)
+                          plans=self.plans, retained_bytes=self._retained if used != "recompute"
+                          else 0, buffer_bytes=self._buffered if used != "recompute" else 0,
+                          kl=kl, rollout_seconds=self.rollout_seconds,
+                          update_seconds=time.perf_counter() - start)

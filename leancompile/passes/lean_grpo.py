@@ -6,7 +6,8 @@ log_prob[, mean], *saved)``, backward graph ``(*saved, cotangents) -> grads``, i
 the timestep selection drawn before the rollout, and the byte size of one trainable-parameter
 gradient. Output: a ``SchedulePlan`` per schedule. A plan is data: which graph runs at each
 rollout step for selected and unselected samples, what runs once the rewards are known, and
-the cotangent of each backward. The runner (``leancompile.grpo.runner``) executes it.
+the cotangent of each backward. ``leancompile.step.LeanStep`` executes it (the trainer,
+``leancompile.grpo.trainer``, drives one).
 
 Rollout and update per schedule (``S_i`` = selected steps of sample ``i``, ``B`` samples)::
 
@@ -174,23 +175,33 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def graph_flops(captured) -> StepCosts:
-    """FLOPs of each graph of a captured step (``forward``, ``backward`` and ``inference``
-    GraphModules, ``saved_bytes``), counted on fake tensors (nothing runs)."""
+def graph_flops(gm, batch_symbol, batch: int) -> int:
+    """FLOPs of graph ``gm`` for ``batch`` rows (its sizes in ``batch_symbol``), counted on
+    fake tensors (nothing runs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    def count(gm):
-        values = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-        fake_mode = next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
-        if fake_mode is None:
-            return 0
-        with fake_mode, FlopCounterMode(display=False) as counter:
-            gm(*values)
-        return counter.get_total_flops()
+    def concrete(size):
+        if isinstance(size, torch.SymInt):
+            if batch_symbol is not None:
+                return int(size.node.expr.subs({batch_symbol: batch}))
+            return int(size.node.hint)
+        return size
 
-    return StepCosts(saved_bytes=captured.saved_bytes, forward_flops=count(captured.forward),
-                     backward_flops=count(captured.backward),
-                     inference_flops=count(captured.inference))
+    mode = FakeTensorMode()
+    values = []
+    with mode:
+        for node in gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                values.append(torch.empty([concrete(d) for d in val.shape], dtype=val.dtype))
+            else:
+                values.append(concrete(val))
+    with mode, FlopCounterMode(display=False) as counter:
+        gm(*values)
+    return counter.get_total_flops()
 
 
 def build_schedule_plans(*, costs: StepCosts, selected_calls: int, total_calls: int,
@@ -278,6 +289,9 @@ class ScheduleReport:
     saved_bytes_per_call: int
     memory_budget_bytes: int
     graph_nodes: dict[str, int] = field(default_factory=dict)
+    pipeline: object = None
+    """The pipeline's ``Report`` of the policy step's graphs (its ``lean_grpo`` stage says
+    which saved tensors hold the batch row by row)."""
 
     def __str__(self) -> str:
         lines = [
@@ -292,4 +306,14 @@ class ScheduleReport:
         for plan in self.plans.values():
             lines.append(plan.describe(base))
         lines.append(f"-> {self.chosen}: {self.reason}")
+        if self.pipeline is not None:
+            for result in self.pipeline.pass_results(NAME):
+                if result.disabled:
+                    lines.append("pipeline stage lean_grpo: disabled")
+                    continue
+                if result.rewritten or result.skipped:
+                    lines.append(f"pipeline stage lean_grpo: {len(result.rewritten)} outputs and "
+                                 f"saved tensors reusable row by row, {len(result.skipped)} not"
+                                 + (f" (first: {result.skipped[0].reason})"
+                                    if result.skipped else ""))
         return "\n".join(lines)
