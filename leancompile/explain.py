@@ -100,17 +100,18 @@ def explain(fn_or_module, *example_args, **options):
     """Trace ``fn_or_module(*example_args)`` as leancompile would compile it and report what
     every pass did to the forward and backward (or inference) graphs.
 
-    ``explain(trainer, conditions)`` with a ``GRPOTrainer`` returns its ``ScheduleReport``
-    instead: the LeanGRPO plans, their memory and time estimates, and the choice.
+    An object with its own ``explain_schedules`` (a ``GRPOTrainer``, a ``LeanStep`` from
+    ``lean_compile(fn, schedule=...)``) explains itself: ``explain(trainer, conditions)`` returns
+    the trainer's ``ScheduleReport`` (the LeanGRPO plans, their memory and time estimates, the
+    choice), ``explain(step, *args)`` the step's ``StepReport``.
 
     ``options`` are leancompile's (``compiler``, ``disable``, ``overlap``, ``schedule``);
     ``compiler`` (default ``"inductor"``) decides which capture path is mirrored. Nothing is
     computed: see the module docstring. Returns a ``Report`` (also ``last_report()``).
     """
-    from .grpo.trainer import GRPOTrainer
-
-    if isinstance(fn_or_module, GRPOTrainer):  # explain(trainer, conditions): the schedules
-        return fn_or_module.explain(*example_args, **options)
+    own = getattr(fn_or_module, "explain_schedules", None)
+    if callable(own):  # a trainer or a LeanStep: its schedules
+        return own(*example_args, **options)
     if not callable(fn_or_module):
         raise TypeError(
             f"explain needs a function or torch.nn.Module to trace, got "

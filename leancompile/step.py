@@ -64,7 +64,7 @@ from .options import CompileOptions
 from .report import Report, record_report
 from .runtime.reuse import Reused, gather_rows, row_hashes, storage_bytes, whole_hash
 
-__all__ = ["LeanStep", "StepConfig", "StepStats", "SCHEDULES"]
+__all__ = ["LeanStep", "StepConfig", "StepStats", "StepReport", "SCHEDULES", "free_memory_bytes"]
 
 log = logging.getLogger("leancompile")
 
@@ -150,6 +150,44 @@ class StepStats:
         if self.unused_rows:
             lines.append(f"  never used: {self.unused_rows} kept rows "
                          f"({self.unused_bytes / 2**20:.2f} MiB), freed")
+        return "\n".join(lines)
+
+
+@dataclass(kw_only=True)
+class StepReport:
+    """What ``leancompile.explain(step, *args)`` returns: per graph a call runs, what each
+    schedule would keep for a call like this one, and the pipeline's report of the graphs
+    (their ``lean_grpo`` stage)."""
+
+    schedule: str
+    batch: int
+    budget_bytes: int
+    graphs: list[dict]
+    reports: list
+
+    def __str__(self) -> str:
+        mib = 2 ** 20
+        lines = [f"LeanStep schedule={self.schedule!r}, a call of {self.batch} rows; auto's "
+                 f"memory budget {self.budget_bytes / mib:.1f} MiB"]
+        for i, g in enumerate(self.graphs):
+            lines.append(f"graph {i}: retain keeps {g['kept_bytes'] / mib:.2f} MiB per call "
+                         "of activations beyond its inputs")
+            lines.append("  regrouped rows: " + (
+                "gathered row by row (the LeanGRPO stage proved the saved tensors hold "
+                "samples' rows apart)" if g["row_local"] else
+                f"only whole kept calls serve an update call ({g['reason']})"))
+            lines.append("  reweight: " + (
+                f"one gradient per row of outputs {g['scalars']} "
+                f"({g['grad_bytes'] / mib:.2f} MiB each; per sample with samples=)"
+                if g["scalars"] else "no per-row scalar output (wrap the whole step)"))
+            if g["random_ops"]:
+                lines.append(f"  draws random numbers ({', '.join(g['random_ops'][:2])}): only "
+                             "recompute")
+            if g["kept_bytes"]:
+                lines.append(f"  auto: about {self.budget_bytes // g['kept_bytes']} such calls "
+                             "retained within the budget, then reweight or recompute")
+        for report in self.reports:
+            lines.append(str(report))
         return "\n".join(lines)
 
 
@@ -298,7 +336,8 @@ class _State:
         self.kept_bytes = self.buffer_bytes = 0
 
 
-def _free_memory_bytes(device: torch.device) -> int:
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of ``device`` now (the CPU: available physical memory)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
@@ -943,6 +982,18 @@ class _Backend:
         return _GraphRuntime(step, graphs)
 
 
+def _entry(fn: Callable) -> Callable:
+    """A function that calls ``fn``, with a code object of its own: Dynamo keeps its compiled
+    graphs (and counts recompiles against its limit) per code object, so each ``LeanStep`` gets
+    its own, whatever else compiles ``fn``."""
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    call.__code__ = call.__code__.replace()
+    call.__name__ = getattr(fn, "__name__", type(fn).__name__)
+    return call
+
+
 def _rename_sample(gm: fx.GraphModule, sample_arg: str | None) -> None:
     """Hash the update's sample argument under the name the rollout's drawn sample gets."""
     if sample_arg is None:
@@ -950,7 +1001,8 @@ def _rename_sample(gm: fx.GraphModule, sample_arg: str | None) -> None:
     for node in gm.graph.nodes:
         arg = node.meta.get("grapharg") if node.op == "placeholder" else None
         source = getattr(arg, "source", None)
-        if source is not None and source.name == f"L['{sample_arg}']":
+        if source is not None and source.name in (f"L['{sample_arg}']",
+                                                  f"L['kwargs']['{sample_arg}']"):
             node.meta["leancompile_sample"] = True
 
 
@@ -971,7 +1023,7 @@ class LeanStep:
         self._state_batch = None
         kwargs = dict(compile_kwargs or {})
         kwargs.setdefault("dynamic", False)
-        self._compiled = torch.compile(fn, backend=_Backend(self), **kwargs)
+        self._compiled = torch.compile(_entry(fn), backend=_Backend(self), **kwargs)
         try:
             self.__wrapped__ = fn
             self.__doc__ = getattr(fn, "__doc__", None)
@@ -1041,7 +1093,7 @@ class LeanStep:
             state.budget = self.config.memory_budget_bytes
         else:
             device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-            state.budget = int(_free_memory_bytes(device) * self.config.memory_fraction)
+            state.budget = int(free_memory_bytes(device) * self.config.memory_fraction)
         start = time.perf_counter()
         try:
             yield self
@@ -1106,6 +1158,35 @@ class LeanStep:
         old = self._state.stats
         self._state.stats = StepStats()
         return old
+
+    def explain_schedules(self, *args, **kwargs) -> StepReport:
+        """What ``leancompile.explain(step, *args)`` returns: the graphs a call with these
+        arguments runs (compiled, not run) and what each schedule keeps for it."""
+        graphs = self.plan(*args, **kwargs)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        batch = next((t.shape[0] for t in tensors if t.dim() >= 1), 1)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        budget = self.config.memory_budget_bytes or int(
+            free_memory_bytes(device) * self.config.memory_fraction)
+        rows = []
+        for g in graphs:
+            params = [r.source for r in g.roles if r.kind == "param"]
+            grad_bytes = 0
+            if g.forward is not None:
+                placeholders = [n for n in g.forward.graph.nodes if n.op == "placeholder"]
+                for role, node in zip(g.roles, placeholders):
+                    val = node.meta.get("val")
+                    if role.kind == "param" and isinstance(val, Tensor):
+                        grad_bytes += val.numel() * val.element_size()
+            rows.append({
+                "kept_bytes": g.kept_bytes(batch) if g.forward is not None else 0,
+                "row_local": bool(g.layouts.get("row_local")),
+                "reason": g.layouts.get("reason") or "the LeanGRPO stage found no batch",
+                "scalars": [j for j in g.differentiable if _numel_per_row(g, j, batch) == 1],
+                "grad_bytes": grad_bytes, "params": len(params),
+                "random_ops": g.random_ops})
+        return StepReport(schedule=self.config.schedule, batch=batch, budget_bytes=budget,
+                          graphs=rows, reports=[g.report for g in graphs if g.report])
 
     def __repr__(self) -> str:
         return (f"LeanStep({getattr(self.fn, '__name__', type(self.fn).__name__)}, "

@@ -17,9 +17,7 @@ advantages.
 
 from __future__ import annotations
 
-import copy
 import logging
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -32,7 +30,7 @@ from ..capture import RandomOpInGraphError
 from ..options import CompileOptions
 from ..passes.lean_grpo import (SCHEDULES, SchedulePlan, ScheduleReport, StepCosts,
                                 build_schedule_plans, choose_schedule, graph_flops)
-from ..step import LeanStep, StepConfig
+from ..step import LeanStep, StepConfig, free_memory_bytes
 from .advantages import AdvantageConfig, group_advantages, group_ids_for
 from .rewards import check_rewards
 from .sde import SDE_KINDS, sde_step
@@ -160,15 +158,6 @@ class GradResult:
     update_seconds: float
 
 
-def _free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 8 << 30
-
-
 class _Velocity(nn.Module):
     """``policy.velocity`` as a module's forward, for ``torch.func.functional_call`` with the
     reference weights (the KL term)."""
@@ -262,7 +251,7 @@ class GRPOTrainer:
         cfg = self.config
         if cfg.memory_budget_bytes is not None:
             return cfg.memory_budget_bytes
-        return int(_free_memory_bytes(device) * cfg.memory_fraction)
+        return int(free_memory_bytes(device) * cfg.memory_fraction)
 
     def _call_args(self, x, k: int, cond_list, local) -> list:
         """The positional arguments of a step call on the rows ``local`` (with a placeholder
@@ -391,6 +380,10 @@ class GRPOTrainer:
                       lean=self.lean_step(keys, partitioner_budget), schedule=schedule,
                       reason=reason, plans=plans, partitioner_budget=partitioner_budget,
                       budget_bytes=budget_bytes)
+
+    def explain_schedules(self, conditions, generator=None, *, schedule=None) -> ScheduleReport:
+        """What ``leancompile.explain(trainer, conditions)`` returns: ``explain``."""
+        return self.explain(conditions, generator, schedule=schedule)
 
     def explain(self, conditions: Mapping[str, torch.Tensor], generator=None, *,
                 schedule: str | None = None) -> ScheduleReport:
