@@ -8,13 +8,13 @@ the ``leancompile::`` ops of ``runtime/p2p.py``, so a graph Inductor serves from
 no pass run in this process) finds the P2P ops it calls.
 """
 
-from .compiler import (Installation, LeanGraphPass, __version__, backend, install,
-                       lean_compile)
+from .compiler import Installation, LeanGraphPass, __version__, backend, install
 from .explain import explain
 from .report import GraphRecord, Report, last_report
 from .options import CompileOptions
 from .passes import PassResult, Site, pass_names
 from .runtime import p2p as _p2p  # noqa: F401  (registers the leancompile:: ops)
+from .step import lean_compile
 
 __all__ = [
     "backend", "lean_compile", "install", "Installation", "explain", "last_report", "Report",

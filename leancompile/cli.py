@@ -78,6 +78,8 @@ def _cmd_demo(ns) -> int:
 def _cmd_bench(ns) -> int:
     if ns.name == "grpo":
         from .benchmarks.grpo import main as bench_main
+    elif ns.name == "loop":
+        from .benchmarks.loop import main as bench_main
     else:
         from .benchmarks.overlap import main as bench_main
     return bench_main(ns.rest)
@@ -99,13 +101,14 @@ def main(argv=None) -> int:
     p.set_defaults(func=_cmd_explain)
 
     d = sub.add_parser("demo", help="run a demo")
-    d.add_argument("name", nargs="?", default="grpo", choices=("grpo", "explain", "overlap"))
+    d.add_argument("name", nargs="?", default="grpo",
+                   choices=("grpo", "loop", "explain", "overlap"))
     d.add_argument("--out", default="leancompile-out", help="output folder")
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="run a benchmark (leancompile bench grpo --help)",
                        add_help=False)
-    b.add_argument("name", choices=("grpo", "overlap"))
+    b.add_argument("name", choices=("grpo", "loop", "overlap"))
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=_cmd_bench)
 

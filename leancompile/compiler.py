@@ -1,4 +1,5 @@
-"""The three ways into the pipeline: ``backend()``, ``lean_compile`` and ``install()``.
+"""Two of the three ways into the pipeline: ``backend()`` and ``install()`` (the third,
+``lean_compile``, is in ``leancompile.step``, with the LeanGRPO phases it can add).
 
 All three run the same ``Pipeline`` on the post-grad graphs AOTAutograd produces (forward,
 backward and inference). With Inductor our pipeline is Inductor's ``post_grad_custom_pre_pass``,
@@ -25,8 +26,8 @@ from .options import CompileOptions
 from .passes import PASSES
 from .pipeline import Pipeline
 
-__all__ = ["backend", "lean_compile", "install", "Installation", "LeanGraphPass",
-           "leancompile_backend", "aot_eager"]
+__all__ = ["backend", "install", "Installation", "LeanGraphPass", "leancompile_backend",
+           "aot_eager", "no_schedule"]
 
 log = logging.getLogger("leancompile")
 
@@ -203,7 +204,9 @@ def aot_eager(graph_pass: LeanGraphPass):
     )
 
 
-def _no_schedule(options: CompileOptions, where: str) -> CompileOptions:
+def no_schedule(options: CompileOptions, where: str) -> CompileOptions:
+    """``options`` when they hold no LeanGRPO schedule, else a ``ValueError`` saying where
+    schedules go."""
     if options.schedule is not None:
         raise ValueError(
             f"{where} does not take schedule={options.schedule!r}: a LeanGRPO schedule needs "
@@ -220,7 +223,7 @@ def backend(**options) -> LeanBackend:
     ``chunks``, ``on_error``. Unknown names raise ``TypeError``. Example:
     ``torch.compile(model, backend=leancompile.backend(disable=...))``.
     """
-    return LeanBackend(_no_schedule(CompileOptions.from_kwargs(**options), "backend()"))
+    return LeanBackend(no_schedule(CompileOptions.from_kwargs(**options), "backend()"))
 
 
 def leancompile_backend(gm: fx.GraphModule, example_inputs, *, options: dict | None = None,
@@ -232,59 +235,6 @@ def leancompile_backend(gm: fx.GraphModule, example_inputs, *, options: dict | N
             f"torch.compile(mode={mode!r}) is an Inductor preset and is not supported with "
             "backend='leancompile'; pass leancompile options through options={...}")
     return backend(**(options or {}))(gm, example_inputs)
-
-
-_TORCH_COMPILE_KWARGS = ("fullgraph", "dynamic")
-_STEP_KWARGS = ("sample_output", "sample_arg", "memory_budget_bytes", "memory_fraction")
-
-
-def lean_compile(fn=None, *, backend: str = "inductor", **options):
-    """Compile a function or module with leancompile's passes; usable as ``@lean_compile`` or
-    ``@lean_compile(backend="aot_eager", overlap="flash", ...)``.
-
-    ``backend`` is what compiles the graphs after our passes (``"inductor"`` or
-    ``"aot_eager"``). The leancompile options (``overlap``, ``variant``, ``chunks_per_rank``,
-    ``chunks``, ``on_error``, ``disable``) are those of ``leancompile.backend``; ``fullgraph``
-    and ``dynamic`` go to ``torch.compile``.
-
-    With ``schedule=`` (``"auto"``, ``"retain"``, ``"reweight"``, ``"recompute"``) the result is
-    a ``leancompile.step.LeanStep``: the function as compiled, plus ``rollout()`` and
-    ``update()`` phases in which an update call reuses the rollout's forward (LeanGRPO). It
-    also takes ``sample_output`` and ``sample_arg`` (a step that draws its sample inside),
-    ``memory_budget_bytes`` and ``memory_fraction`` (``auto``'s budget); see
-    ``leancompile.step``. Any other keyword raises ``TypeError``.
-    """
-    compile_kwargs = {k: options.pop(k) for k in _TORCH_COMPILE_KWARGS if k in options}
-    step_kwargs = {k: options.pop(k) for k in _STEP_KWARGS if k in options}
-    if "compiler" in options:
-        raise TypeError("lean_compile takes backend=..., not compiler=...")
-    try:
-        compile_options = CompileOptions.from_kwargs(compiler=backend, **options)
-    except TypeError as err:
-        raise TypeError(f"lean_compile: {err}; it also takes backend, the torch.compile "
-                        f"options {list(_TORCH_COMPILE_KWARGS)} and, with schedule=, "
-                        f"{list(_STEP_KWARGS)}") from None
-    if step_kwargs and compile_options.schedule is None:
-        raise TypeError(f"lean_compile: {sorted(step_kwargs)} go with schedule=...")
-    if compile_options.schedule is not None:
-        from .step import LeanStep, StepConfig
-
-        config = StepConfig(schedule=compile_options.schedule, **step_kwargs)
-
-        def wrap_step(target):
-            return LeanStep(target, options=compile_options, config=config,
-                            compile_kwargs=compile_kwargs)
-
-        return wrap_step if fn is None else wrap_step(fn)
-    lean_backend = LeanBackend(compile_options)
-
-    def wrap(target):
-        if not callable(target):
-            raise TypeError(f"lean_compile needs a function or module, got "
-                            f"{type(target).__name__}")
-        return torch.compile(target, backend=lean_backend, **compile_kwargs)
-
-    return wrap if fn is None else wrap(fn)
 
 
 class Installation:
@@ -335,4 +285,4 @@ def install(**options) -> Installation:
     if "compiler" in options:
         raise TypeError("install() hooks into Inductor, so it takes no compiler option; use "
                         "torch.compile(..., backend=leancompile.backend(compiler=...)) instead")
-    return Installation(_no_schedule(CompileOptions.from_kwargs(**options), "install()"))
+    return Installation(no_schedule(CompileOptions.from_kwargs(**options), "install()"))

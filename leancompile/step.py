@@ -59,12 +59,13 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from .capture import RandomOpInGraphError, StepGraphs, capture_graph
-from .compiler import LeanGraphPass
+from .compiler import LeanBackend, LeanGraphPass
 from .options import CompileOptions
 from .report import Report, record_report
 from .runtime.reuse import Reused, gather_rows, row_hashes, storage_bytes, whole_hash
 
-__all__ = ["LeanStep", "StepConfig", "StepStats", "StepReport", "SCHEDULES", "free_memory_bytes"]
+__all__ = ["lean_compile", "LeanStep", "StepConfig", "StepStats", "StepReport", "SCHEDULES",
+           "free_memory_bytes"]
 
 log = logging.getLogger("leancompile")
 
@@ -1191,3 +1192,58 @@ class LeanStep:
     def __repr__(self) -> str:
         return (f"LeanStep({getattr(self.fn, '__name__', type(self.fn).__name__)}, "
                 f"schedule={self.config.schedule!r}, {self.options})")
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+
+
+_TORCH_COMPILE_KWARGS = ("fullgraph", "dynamic")
+_STEP_KWARGS = ("sample_output", "sample_arg", "memory_budget_bytes", "memory_fraction")
+
+
+def lean_compile(fn=None, *, backend: str = "inductor", **options):
+    """Compile a function or module with leancompile's passes; usable as ``@lean_compile`` or
+    ``@lean_compile(backend="aot_eager", overlap="flash", ...)``.
+
+    ``backend`` is what compiles the graphs after our passes (``"inductor"`` or
+    ``"aot_eager"``). The leancompile options (``overlap``, ``variant``, ``chunks_per_rank``,
+    ``chunks``, ``on_error``, ``disable``) are those of ``leancompile.backend``; ``fullgraph``
+    and ``dynamic`` go to ``torch.compile``.
+
+    With ``schedule=`` (``"auto"``, ``"retain"``, ``"reweight"``, ``"recompute"``) the result is
+    a ``leancompile.step.LeanStep``: the function as compiled, plus ``rollout()`` and
+    ``update()`` phases in which an update call reuses the rollout's forward (LeanGRPO). It
+    also takes ``sample_output`` and ``sample_arg`` (a step that draws its sample inside),
+    ``memory_budget_bytes`` and ``memory_fraction`` (``auto``'s budget); see
+    ``leancompile.step``. Any other keyword raises ``TypeError``.
+    """
+    compile_kwargs = {k: options.pop(k) for k in _TORCH_COMPILE_KWARGS if k in options}
+    step_kwargs = {k: options.pop(k) for k in _STEP_KWARGS if k in options}
+    if "compiler" in options:
+        raise TypeError("lean_compile takes backend=..., not compiler=...")
+    try:
+        compile_options = CompileOptions.from_kwargs(compiler=backend, **options)
+    except TypeError as err:
+        raise TypeError(f"lean_compile: {err}; it also takes backend, the torch.compile "
+                        f"options {list(_TORCH_COMPILE_KWARGS)} and, with schedule=, "
+                        f"{list(_STEP_KWARGS)}") from None
+    if step_kwargs and compile_options.schedule is None:
+        raise TypeError(f"lean_compile: {sorted(step_kwargs)} go with schedule=...")
+    if compile_options.schedule is not None:
+        config = StepConfig(schedule=compile_options.schedule, **step_kwargs)
+
+        def wrap_step(target):
+            return LeanStep(target, options=compile_options, config=config,
+                            compile_kwargs=compile_kwargs)
+
+        return wrap_step if fn is None else wrap_step(fn)
+    lean_backend = LeanBackend(compile_options)
+
+    def wrap(target):
+        if not callable(target):
+            raise TypeError(f"lean_compile needs a function or module, got "
+                            f"{type(target).__name__}")
+        return torch.compile(target, backend=lean_backend, **compile_kwargs)
+
+    return wrap if fn is None else wrap(fn)

@@ -240,3 +240,29 @@ def test_option_errors():
         leancompile.lean_compile(policy.velocity, schedule="retain", sample_arg="x")
     with pytest.raises(ValueError, match="lean_compile"):
         torch.compile(policy.velocity, backend=leancompile.backend(schedule="retain"))
+
+
+def test_reweight_refuses_a_loss_on_a_non_scalar_output():
+    """The KL built outside the step from its ``mean`` output: reweight kept gradients of the
+    per-row log-prob only, and says which output it cannot serve."""
+    base = ToyFlowPolicy(steps=4)
+    reference_policy = copy.deepcopy(base).requires_grad_(False)
+    config = dataclasses.replace(FLOW, level="step", beta=0.05)
+    with pytest.raises(ValueError, match=r"also depends on output 2 \(shape \(2, 8\)\)"):
+        run(base, flow_grpo_loop, config, "reweight", reference=reference_policy)
+
+
+def test_loop_bench_reports_ratios_reuse_and_regroup_cost():
+    from leancompile.benchmarks.loop import format_table, run_loop_bench
+
+    torch._dynamo.reset()
+    report = run_loop_bench(rounds=1, steps=2, layers=1, hidden=64, latent=8, log=lambda *a: None)
+    assert report["ideal_ratio"] > 1
+    for name in ("lean aligned", "lean regrouped"):
+        entry = report["variants"][name]
+        assert entry["forwards_run"] == 0 and entry["reused_calls"] == entry["update_calls"] > 0
+        assert entry["grad_rel_l2"] <= 1e-6 and entry["ratio_median"] > 0
+    assert report["variants"]["lean aligned"]["mechanisms"] == {"whole kept calls": 2}
+    assert report["variants"]["lean regrouped"]["gathered_mib"] > 0
+    text = format_table(report)
+    assert "ideal ratio" in text and "regrouped rows" in text

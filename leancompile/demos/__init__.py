@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = ["run_demo", "DEMOS"]
 
-DEMOS = ("grpo", "explain", "overlap")
+DEMOS = ("grpo", "loop", "explain", "overlap")
 
 
 def run_demo(name: str, *, out: str) -> int:
@@ -14,6 +14,10 @@ def run_demo(name: str, *, out: str) -> int:
         return main(out=out)
     if name == "grpo":
         from .grpo_demo import main
+
+        return main(out=out)
+    if name == "loop":
+        from .loop_demo import main
 
         return main(out=out)
     if name == "overlap":

@@ -63,6 +63,10 @@ class LoopConfig:
     level: str = "model"
     init_same_noise: bool = False
     """DanceGRPO: one initial latent per prompt group."""
+    shuffle: bool = True
+    """FlowGRPO: samples shuffled and each sample's timesteps permuted before training. False:
+    the update repeats the rollout's batches in order (with ``train_batch == sample_batch``,
+    every update call is one rollout call)."""
 
 
 @dataclass(kw_only=True)
@@ -167,8 +171,13 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
         result.rollout_seconds += time.perf_counter() - start
 
         start = time.perf_counter()
-        perm = torch.randperm(total, generator=gen)
-        timesteps = torch.stack([torch.randperm(n_train, generator=gen) for _ in range(total)])
+        if config.shuffle:
+            perm = torch.randperm(total, generator=gen)
+            timesteps = torch.stack([torch.randperm(n_train, generator=gen)
+                                     for _ in range(total)])
+        else:
+            perm = torch.arange(total)
+            timesteps = torch.arange(n_train).expand(total, n_train)
         calls = -(-total // config.train_batch) * n_train
         accumulate = -(-calls // config.optimizer_steps)
         done = 0
