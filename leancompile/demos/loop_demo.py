@@ -21,12 +21,20 @@ __all__ = ["main"]
 
 
 def main(*, out: str | None = None, iterations: int = 2) -> int:
+    from diffusers import FluxTransformer2DModel
+
     import leancompile
 
-    from ..benchmarks.grpo import BenchConfig, build_policy
+    from ..integrations.diffusers import FluxPolicy
     from .user_loops import LoopConfig, flow_grpo_loop
 
-    base = build_policy(BenchConfig(steps=6, layers=1, hidden=128, latent=16))
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=64,
+        num_attention_heads=2, joint_attention_dim=128, pooled_projection_dim=128,
+        axes_dims_rope=[16, 24, 24], guidance_embeds=True).eval()
+    base = FluxPolicy(transformer, num_inference_steps=6, height=16, width=16,
+                      vae_scale_factor=1)
     base.requires_grad_(True)
     config = LoopConfig(prompts=2, group_size=2, sample_batch=4, train_batch=2,
                         timestep_fraction=0.75, iterations=iterations, lr=1e-4)
