@@ -121,6 +121,15 @@ def _reward(latents):
     return -(latents.float() - 0.5).square().flatten(1).mean(1)
 
 
+def _optimizer_step(policy, optimizer, config: LoopConfig, result: LoopResult) -> None:
+    """What both repos do when an accumulation window completes: clip, step, zero (and here:
+    record the gradients the step applied)."""
+    torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
+    result.grads.append(_grads(policy))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def _grads(policy):
     return {n: p.grad.detach().clone() for n, p in policy.named_parameters()
             if p.grad is not None}
@@ -205,10 +214,7 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
                     (loss / accumulate).backward()
                     done += 1
                     if done % accumulate == 0 or done == calls:
-                        torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
-                        result.grads.append(_grads(policy))
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
+                        _optimizer_step(policy, optimizer, config, result)
         result.update_seconds += time.perf_counter() - start
         result.history.append(_state(policy))
     result.params = _state(policy)
@@ -273,10 +279,7 @@ def dance_grpo_loop(policy, fn, config: LoopConfig, *, seed: int = 0,
                     (loss / accumulate).backward()
                     done += 1
                     if done % accumulate == 0 or done == calls:
-                        torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
-                        result.grads.append(_grads(policy))
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
+                        _optimizer_step(policy, optimizer, config, result)
         result.update_seconds += time.perf_counter() - start
         result.history.append(_state(policy))
     result.params = _state(policy)
