@@ -84,18 +84,18 @@ def test_flow_grpo_loop_retain_equals_the_plain_loop(flux, level):
 
 def test_recompute_and_auto_on_a_small_policy():
     base = ToyFlowPolicy(steps=4)
-    config = dataclasses.replace(FLOW, level="model", iterations=2)
+    config = dataclasses.replace(FLOW, level="model", iterations=3)
     reference, _ = run(base, flow_grpo_loop, config)
     result, step = run(base, flow_grpo_loop, config, "recompute")
     assert_same(result, reference, 1e-6)
     assert step.stats.forwards_run == step.stats.update_calls and step.stats.reused_calls == 0
     result, step = run(base, flow_grpo_loop, config, "auto")
     assert_same(result, reference, 1e-6)
-    assert step.stats.kept == {"retain": 2 * 3} and step.stats.forwards_run == 0
+    assert step.stats.kept == {"retain": 3 * 3} and step.stats.forwards_run == 0
 
 
 def test_flow_grpo_loop_step_level_reweight(flux):
-    config = dataclasses.replace(FLOW, level="step", iterations=1)
+    config = dataclasses.replace(FLOW, level="step", iterations=3)
     reference, _ = run(flux, flow_grpo_loop, config)
     result, step = run(flux, flow_grpo_loop, config, "reweight")
     assert_same(result, reference, 1e-5)
@@ -113,7 +113,7 @@ def test_reweight_needs_a_per_row_scalar_output(flux):
 def test_flow_grpo_loop_with_kl_to_a_frozen_reference_retain():
     base = ToyFlowPolicy(steps=4)
     reference_policy = copy.deepcopy(base).requires_grad_(False)
-    config = dataclasses.replace(FLOW, level="model", beta=0.05, iterations=2)
+    config = dataclasses.replace(FLOW, level="model", beta=0.05, iterations=3)
     reference, _ = run(base, flow_grpo_loop, config, reference=reference_policy)
     result, step = run(base, flow_grpo_loop, config, "retain", reference=reference_policy)
     assert_same(result, reference, 1e-6)
@@ -125,7 +125,7 @@ def test_flow_grpo_loop_with_kl_to_a_frozen_reference_retain():
 def test_dance_grpo_loop(flux, level, schedule, tol):
     """One sample per training call (batch 1, a graph Dynamo specialises) against rollout
     calls of the whole batch; one initial latent per group; DanceGRPO's SDE."""
-    config = dataclasses.replace(DANCE, level=level, iterations=2)
+    config = dataclasses.replace(DANCE, level=level, iterations=3)
     reference, _ = run(flux, dance_grpo_loop, config)
     result, step = run(flux, dance_grpo_loop, config, schedule)
     assert_same(result, reference, tol)
