@@ -24,6 +24,8 @@ computes (to match a rollout call with an update call), and any random op.
 
 from __future__ import annotations
 
+import copy
+
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
@@ -161,6 +163,10 @@ class StepGraphs:
     kept_roots: dict = field(default_factory=dict)
     """Storages the saved tensors live in that are not inputs (or views of inputs): name ->
     bytes (an int, or a SymInt of the batch size)."""
+    backward_aten: fx.GraphModule | None = None
+    """The backward graph as aten ops that run eagerly (after the pipeline with ``aot_eager``;
+    before Inductor's lowering otherwise): what batched Reweight runs under ``torch.func.vmap``
+    (one batch-1 backward per row, vectorised)."""
 
     def kept_bytes(self, batch: int) -> int:
         """Bytes a forward's saved tensors hold beyond its inputs, for ``batch`` rows: each
@@ -423,7 +429,12 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
             root = _alias_root(node)
             if root.op != "placeholder":
                 kept_roots[root.name] = root.meta["val"].untyped_storage().nbytes()
+    backward_aten = None
+    if backward is not None and compiler != "aot_eager":
+        backward_aten = copy.deepcopy(backward)  # Inductor rewrites the graph it lowers
     run_backward = compiled(backward, None, "backward")
+    if backward is not None and compiler == "aot_eager":
+        backward_aten = backward
     run_inference = compiled(inference, inf_inputs, "inference")
     return StepGraphs(
         roles=roles, num_outputs=num_outputs, output_types=output_types,
@@ -433,4 +444,4 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
         batch_symbol=symbol, layouts=layouts, saved_meta=saved_meta, fingerprint=fingerprint,
         sample_fingerprint=sample_fp, key_inputs=key_inputs, sample_key_inputs=sample_keys,
         random_ops=random_ops, dynamo_graph=gm, sample_output=sample_output,
-        kept_roots=kept_roots)
+        kept_roots=kept_roots, backward_aten=backward_aten)

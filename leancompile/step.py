@@ -44,6 +44,8 @@ from the value it drew (the rollout graph's sample output is hashed as an input)
 
 from __future__ import annotations
 
+import copy
+
 import contextlib
 import dataclasses
 import logging
@@ -61,8 +63,10 @@ from torch.utils._pytree import tree_flatten
 from .capture import RandomOpInGraphError, StepGraphs, capture_graph
 from .compiler import LeanBackend, LeanGraphPass
 from .options import CompileOptions
+from .passes.lean_grpo import reweight_rows_per_backward
 from .report import Report, record_report
 from .runtime.reuse import Reused, gather_rows, row_hashes, storage_bytes, whole_hash
+from .runtime.vmap_ops import VMAP_REPLACEMENTS
 
 __all__ = ["lean_compile", "LeanStep", "StepConfig", "StepStats", "StepReport", "SCHEDULES",
            "free_memory_bytes"]
@@ -89,6 +93,10 @@ class StepConfig:
     partitioner_budget: float | None = None
     """The min-cut partitioner's activation memory budget (0..1): below 1 the forward saves
     less and the backward recomputes cheap ops (what Retain keeps shrinks)."""
+    reweight_rows: int | None = None
+    """Reweight: rows per vectorised backward (``torch.func.vmap`` of the batch-1 backward over
+    the rows); None: as many as the memory budget leaves room for (parameter gradients and
+    working memory per row); 1: one backward per row."""
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -98,6 +106,9 @@ class StepConfig:
                              "drawn sample and the keyword the update passes it back in")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+        if self.reweight_rows is not None and self.reweight_rows < 1:
+            raise ValueError(f"reweight_rows={self.reweight_rows} must be >= 1 (rows per "
+                             "vectorised backward) or None (from the memory budget)")
 
 
 @dataclass(kw_only=True)
@@ -127,6 +138,10 @@ class StepStats:
     """Activation bytes kept at the peak (storages not shared with inputs or parameters)."""
     peak_buffer_bytes: int = 0
     """Bytes of per-row gradient buffers at the peak (``reweight``)."""
+    reweight_backwards: int = 0
+    """Backwards run in the rollout for per-row gradients (one per vectorised chunk of rows)."""
+    reweight_rows_per_backward: int = 0
+    """The most rows one of those backwards took (1: one backward per row)."""
     unused_rows: int = 0
     unused_bytes: int = 0
     """Kept rows (and their bytes) that no update call used, freed at ``update()`` exit or at
@@ -371,6 +386,7 @@ class _GraphRuntime:
                                   if r.source == "<sample>"), None)
         self.trainable_sources = [graphs.roles[i].source for i in self.params]
         self._at_one: tuple | None = None
+        self._vmap_backward: fx.GraphModule | None = None
         self._rows_like: dict[str, int] = {}
         """For a graph specialised to a batch of 1: the rows per sample of each input, from the
         kept graph with a symbolic batch that computes the same (``_fingerprint_for``)."""
@@ -583,38 +599,151 @@ class _GraphRuntime:
 
     def _row_gradients(self, kept: _Kept, saved: list) -> None:
         """Reweight: the gradient of every per-row scalar output of every trained row, each on
-        its own (one backward of the row's gathered state, or of the whole call with a one-hot
-        cotangent when its rows cannot be gathered)."""
+        its own. Batched when the LeanGRPO stage proved the saved tensors hold rows apart: the
+        batch-1 backward graph runs under ``torch.func.vmap`` over the rows' own saved state
+        (``rows_per_backward`` rows at a time, from the memory budget), one vectorised backward
+        instead of one per row; otherwise one backward of the whole call per row, with a
+        one-hot cotangent."""
         g, batch = self.g, kept.batch
         outputs = kept.outputs
         scalars = self.scalar_outputs(outputs, batch)
         trainable = [(i, g.roles[i].source) for i in self.params if kept.args[i].requires_grad]
-        gather = bool(g.layouts.get("row_local")) and g.batch_symbol is not None and batch > 1
-        for row in kept.rows:
-            if gather:
-                bw_saved, row_outputs = self._gathered_saved([(kept, [row])], 1), \
-                    [self._gather_output(j, [(kept, [row])]) for j in range(g.num_outputs)]
-            else:
-                bw_saved, row_outputs = [saved[k] for k in g.bw_saved], outputs
-            for q in scalars:
-                cotangents = [None] * g.num_outputs
-                one = torch.zeros_like(row_outputs[q])
-                one.reshape(-1)[0 if gather else row] = 1
-                cotangents[q] = one
-                grads = self._backward(bw_saved, row_outputs, cotangents)
-                row_grads = {source: grads[i] for i, source in trainable}
-                if kept.samples is None:
-                    kept.grads[(row, q)] = row_grads
-                    continue
-                # One buffer per sample: its rows' gradients summed (the paper's G_i).
-                merged = self.step._state.sample_grads.setdefault((kept.samples[row], q), {})
-                for source, gr in row_grads.items():
-                    if gr is not None:
-                        merged[source] = gr if source not in merged else merged[source] + gr
-            if kept.samples is not None:
-                self.step._state.sample_rows[kept.samples[row]] += 1
+        state = self.step._state
+        out_layouts = g.layouts.get("outputs") or []
+        batched = bool(g.layouts.get("row_local")) and g.batch_symbol is not None and \
+            g.backward_aten is not None and len(kept.rows) > 1 and all(
+                j < len(out_layouts) and (out_layouts[j] is None or hasattr(out_layouts[j],
+                                                                            "outer"))
+                for j in g.differentiable)
+        if batched:
+            chunk = self.rows_per_backward(kept)
+            for start in range(0, len(kept.rows), chunk):
+                rows = kept.rows[start:start + chunk]
+                for q in scalars:
+                    stacked = self._vmapped_row_gradients(kept, rows, q, trainable)
+                    for n, row in enumerate(rows):
+                        self._keep_row_grads(kept, row, q, {
+                            source: None if t is None else t[n] for source, t in
+                            stacked.items()})
+                state.stats.reweight_backwards += 1
+                state.stats.reweight_rows_per_backward = max(
+                    state.stats.reweight_rows_per_backward, len(rows))
+        else:
+            gather = bool(g.layouts.get("row_local")) and g.batch_symbol is not None and \
+                batch > 1
+            for row in kept.rows:
+                if gather:
+                    bw_saved, row_outputs = self._gathered_saved([(kept, [row])], 1), \
+                        [self._gather_output(j, [(kept, [row])]) for j in range(g.num_outputs)]
+                else:
+                    bw_saved, row_outputs = [saved[k] for k in g.bw_saved], outputs
+                for q in scalars:
+                    cotangents = [None] * g.num_outputs
+                    one = torch.zeros_like(row_outputs[q])
+                    one.reshape(-1)[0 if gather else row] = 1
+                    cotangents[q] = one
+                    grads = self._backward(bw_saved, row_outputs, cotangents)
+                    self._keep_row_grads(kept, row, q, {source: grads[i]
+                                                        for i, source in trainable})
+                state.stats.reweight_backwards += 1
+                state.stats.reweight_rows_per_backward = max(
+                    state.stats.reweight_rows_per_backward, 1)
         if kept.samples is not None:
+            for row in kept.rows:
+                state.sample_rows[kept.samples[row]] += 1
             kept.grads["scalars"] = scalars
+
+    def _keep_row_grads(self, kept: _Kept, row: int, q: int, row_grads: dict) -> None:
+        if kept.samples is None:
+            kept.grads[(row, q)] = row_grads
+            return
+        # One buffer per sample: its rows' gradients summed (the paper's G_i).
+        merged = self.step._state.sample_grads.setdefault((kept.samples[row], q), {})
+        for source, gr in row_grads.items():
+            if gr is not None:
+                merged[source] = gr.clone() if source not in merged else merged[source] + gr
+
+    def row_grad_bytes(self, args) -> int:
+        """Bytes of one row's gradient of one scalar output (the trainable parameters)."""
+        return sum(args[i].numel() * args[i].element_size() for i in self.params
+                   if args[i].requires_grad)
+
+    def rows_per_backward(self, kept: _Kept) -> int:
+        """Reweight: how many rows one vectorised backward takes (``reweight_rows``, else from
+        what the memory budget leaves; ``passes.lean_grpo.reweight_rows_per_backward``)."""
+        state = self.step._state
+        return reweight_rows_per_backward(
+            rows=len(kept.rows), grad_bytes=self.row_grad_bytes(kept.args),
+            row_saved_bytes=self.g.kept_bytes(1), requested=self.step.config.reweight_rows,
+            room_bytes=state.budget - state.kept_bytes - state.buffer_bytes)
+
+    def _vmappable_backward(self) -> fx.GraphModule:
+        """The aten backward graph with slice ends of "to the end" (``2**63 - 1``, which
+        vmap's batching rules overflow) spelled as None, and ops without a batching rule
+        swapped for their twins with one (``runtime/vmap_ops.py``)."""
+        if self._vmap_backward is None:
+            gm = copy.deepcopy(self.g.backward_aten)
+            for node in gm.graph.nodes:
+                if node.op == "call_function" and node.target in VMAP_REPLACEMENTS:
+                    node.target = VMAP_REPLACEMENTS[node.target]
+                if node.op == "call_function" and node.target in _SLICES:
+                    args = list(node.args)
+                    end = _SLICES[node.target]
+                    if len(args) > end and isinstance(args[end], int) and args[end] >= 2 ** 62:
+                        args[end] = None
+                        node.args = tuple(args)
+            gm.recompile()
+            self._vmap_backward = gm
+        return self._vmap_backward
+
+    def _vmapped_row_gradients(self, kept: _Kept, rows: list[int], q: int,
+                               trainable: list) -> dict:
+        """{parameter source: [len(rows), *shape] gradients of output ``q`` of each row}: the
+        batch-1 backward graph under ``vmap`` over the rows' saved tensors (their row slices,
+        stacked), cotangent 1 on output ``q``."""
+        g = self.g
+        layouts = g.layouts["saved"]
+        symbols = dict(kept.symbols)
+        symbols[g.batch_symbol] = 1
+        fixed, batched_pos, per_row = [], [], []
+        index = torch.tensor(rows, device=kept.outputs[q].device)
+        for k in g.bw_saved:
+            layout = layouts[k]
+            if layout == "symint":
+                expr = g.saved_meta[k]
+                value = expr.node.expr.subs(symbols) if isinstance(expr, torch.SymInt) else expr
+                fixed.append(int(value))
+            elif layout is None:
+                fixed.append(kept.saved[k])
+            else:
+                t = kept.saved[k]
+                blocks = t.reshape(layout.outer, kept.batch, layout.inner, *t.shape[1:])
+                rows_first = blocks.index_select(1, index).movedim(1, 0)
+                batched_pos.append(len(fixed))
+                fixed.append(None)
+                per_row.append(rows_first.reshape(len(rows), layout.outer * layout.inner,
+                                                  *t.shape[1:]))
+        tangents = []
+        for j in g.differentiable:
+            shape = _row_shape(kept.outputs[j], self.g.layouts["outputs"][j], kept.batch)
+            fill = torch.ones if j == q else torch.zeros
+            tangents.append(fill(shape, dtype=kept.outputs[j].dtype,
+                                 device=kept.outputs[j].device))
+        graph = self._vmappable_backward()
+        out_node = next(n for n in graph.graph.nodes if n.op == "output")
+        produced = [i for i, _ in trainable if out_node.args[0][i] is not None]
+
+        def one_row(*row_saved):
+            values = list(fixed)
+            for pos, t in zip(batched_pos, row_saved):
+                values[pos] = t
+            grads = graph(*values, *tangents)
+            return tuple(grads[i] for i in produced)
+
+        with torch.no_grad():
+            stacked = torch.func.vmap(one_row)(*per_row)
+        by_index = dict(zip(produced, stacked))
+        return {source: by_index.get(i) for i, source in trainable}
 
     # -- gathering -------------------------------------------------------------------------
     def _runs(self, assignment):
@@ -924,6 +1053,17 @@ def _rows_of(c, layouts, j, batch, rows):
     return gather_rows([(c, batch, rows)], layout.outer, layout.inner)
 
 
+_SLICES = {torch.ops.aten.slice.Tensor: 3, torch.ops.aten.slice_scatter.default: 4}
+"""Slicing ops and the position of their ``end`` argument."""
+
+
+def _row_shape(output: Tensor, layout, batch: int) -> tuple:
+    """The shape of one row's share of ``output`` (all of it when it holds no rows)."""
+    if layout is None or layout == "symint" or not hasattr(layout, "outer"):
+        return tuple(output.shape)
+    return (layout.outer * layout.inner, *output.shape[1:])
+
+
 def _val_of_output(g: StepGraphs, j: int):
     graph = g.forward if g.forward is not None else g.inference
     out = next(n for n in graph.graph.nodes if n.op == "output").args[0][j]
@@ -1199,7 +1339,7 @@ class LeanStep:
 
 
 _TORCH_COMPILE_KWARGS = ("fullgraph", "dynamic")
-_STEP_KWARGS = ("sample_output", "sample_arg", "memory_budget_bytes", "memory_fraction")
+_STEP_KWARGS = tuple(f.name for f in dataclasses.fields(StepConfig) if f.name != "schedule")
 
 
 def lean_compile(fn=None, *, backend: str = "inductor", **options):
@@ -1215,8 +1355,8 @@ def lean_compile(fn=None, *, backend: str = "inductor", **options):
     a ``leancompile.step.LeanStep``: the function as compiled, plus ``rollout()`` and
     ``update()`` phases in which an update call reuses the rollout's forward (LeanGRPO). It
     also takes ``sample_output`` and ``sample_arg`` (a step that draws its sample inside),
-    ``memory_budget_bytes`` and ``memory_fraction`` (``auto``'s budget); see
-    ``leancompile.step``. Any other keyword raises ``TypeError``.
+    ``memory_budget_bytes`` and ``memory_fraction`` (``auto``'s budget), ``partitioner_budget``
+    and ``reweight_rows``; see ``StepConfig``. Any other keyword raises ``TypeError``.
     """
     compile_kwargs = {k: options.pop(k) for k in _TORCH_COMPILE_KWARGS if k in options}
     step_kwargs = {k: options.pop(k) for k in _STEP_KWARGS if k in options}

@@ -16,20 +16,47 @@ def test_bench_grpo_json_has_ratios_and_agreement(capsys):
                  "--steps", "3", "--repeats", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["config"]["steps"] == 3 and report["config"]["model"] == "flux"
+    assert report["config"]["compilers"] == ["aot_eager"]
     assert report["ideal_ratio"] > 1.0
     schedules = report["schedules"]
-    assert set(schedules) == {"recompute", "retain", "reweight"}
+    assert set(schedules) == {"eager", "recompute", "retain", "reweight"}
     for name, entry in schedules.items():
-        for key in ("rollout_s", "update_s", "total_s", "ratio_to_recompute", "retained_bytes",
-                    "grad_cosine", "grad_rel_l2"):
+        for key in ("rollout_s", "update_s", "total_s", "total_s_min", "ratio_to_recompute",
+                    "ratio_to_recompute_min", "ratio_to_eager", "ratio_to_eager_min",
+                    "fraction_of_ideal", "fraction_of_ideal_min", "retained_bytes",
+                    "grad_cosine", "grad_rel_l2", "grad_rel_l2_to_eager", "ratio_error"):
             assert key in entry, (name, key)
-        assert entry["total_s"] > 0
+        assert entry["total_s"] > 0 and entry["total_s_min"] <= entry["total_s"]
     assert schedules["recompute"]["ratio_to_recompute"] == 1.0
+    assert schedules["eager"]["ratio_to_eager"] == 1.0
+    for name in ("retain", "reweight"):
+        entry = schedules[name]
+        assert entry["fraction_of_ideal"] == entry["ratio_to_recompute"] / report["ideal_ratio"]
+        assert entry["fraction_of_ideal_min"] == pytest.approx(
+            entry["ratio_to_recompute_min"] / report["ideal_ratio"])
+        assert entry["ratio_to_eager"] == pytest.approx(
+            schedules["eager"]["total_s"] / entry["total_s"])
+    assert schedules["recompute"]["fraction_of_ideal"] is None
+    # Retain and reweight reuse the rollout's forward: the PPO ratio is exactly 1.
+    assert schedules["retain"]["ratio_error"] == 0 and schedules["reweight"]["ratio_error"] == 0
+    # Plain eager FlowGRPO computes the same gradient as the trainer (fp32 rounding only).
+    assert schedules["eager"]["grad_rel_l2"] <= 1e-5
+    assert schedules["eager"]["grad_cosine"] >= 1 - 1e-9
+    assert schedules["eager"]["retained_bytes"] == 0
     assert schedules["retain"]["grad_rel_l2"] <= 1e-6
     assert schedules["reweight"]["grad_rel_l2"] <= 1e-5
     assert schedules["retain"]["retained_bytes"] > 0
     assert schedules["recompute"]["retained_bytes"] == 0
-    assert "ideal ratio" in format_table(report)
+    assert report["best_fraction_of_ideal"] is not None
+    assert report["best_fraction_of_ideal_min"] is not None
+    assert set(report["by_compiler"]) == {"aot_eager"}
+    assert set(report["by_compiler"]["aot_eager"]["schedules"]) == {
+        "recompute", "retain", "reweight"}
+    best = report["best_configuration"]
+    assert best["compiler"] == "aot_eager" and best["schedule"] in schedules
+    assert best["ratio_to_eager"] == schedules[best["schedule"]]["ratio_to_eager"]
+    text = format_table(report)
+    assert "ideal ratio" in text and "eager" in text and "best configuration" in text
 
 
 def test_bench_config_errors():
@@ -37,6 +64,15 @@ def test_bench_config_errors():
         BenchConfig(schedules=("retain",))
     with pytest.raises(ValueError, match="model='sd3'"):
         BenchConfig(model="sd3")
+    with pytest.raises(ValueError, match="compilers"):
+        BenchConfig(compilers=("aot_eager", "aot_eager"))
+    with pytest.raises(ValueError, match="compilers"):
+        BenchConfig(compilers=("tvm",))
+    assert BenchConfig(compiler="inductor").compilers == ("inductor",)
+    config = BenchConfig(compilers=("inductor", "aot_eager"))
+    assert config.compiler == "inductor"
+    with pytest.raises(SystemExit):
+        main(["--compiler", "aot_eager", "--compilers", "inductor,aot_eager"])
 
 
 def test_explain_a_trainer_shows_plans_and_choice():

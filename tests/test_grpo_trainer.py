@@ -243,6 +243,8 @@ def test_config_errors():
         GRPOConfig(schedule="fast")
     with pytest.raises(ValueError, match="group_size=1"):
         GRPOConfig(group_size=1)
+    with pytest.raises(ValueError, match=r"eta=0: .*no policy gradient.*eta > 0"):
+        GRPOConfig(eta=0)
     with pytest.raises(TypeError):
         GRPOConfig("retain")
 

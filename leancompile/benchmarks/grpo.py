@@ -1,11 +1,34 @@
-"""``leancompile bench grpo``: recompute vs retain vs reweight on one random-init diffusers
-model, same seeds, measured in one run.
+"""``leancompile bench grpo``: plain eager FlowGRPO vs recompute vs retain vs reweight on one
+random-init diffusers model, same seeds, measured in one run.
 
-For each schedule: one warm-up call (captures the graphs), then ``repeats`` timed calls of
-``compute_gradients`` (rollout and update seconds), retained bytes, gradient buffers, and the
-gradient's cosine and relative L2 error against recompute's. The ideal ratio is measured from
-the captured graphs themselves: forward without grad ``F0``, forward with saving ``F``,
-backward ``B`` for the full batch, ``ideal = (F0 + F + B) / (F + B)`` per selected step.
+Rows:
+
+``eager``
+    What users run today: the same diffusers transformer with no ``torch.compile`` and no
+    leancompile. The sampling loop (all denoising steps, the SDE transition and its log-prob)
+    runs under ``torch.no_grad()``; then, as FlowGRPO's ``scripts/train_flux.py`` /
+    ``train_sd3.py`` do, one forward with grad per selected step (all samples at their j-th
+    selected step), the SDE log-prob of the recorded sample, the PPO ratio/clip loss averaged
+    over the batch and divided by the number of selected steps (gradient accumulation), and a
+    backward that accumulates into ``.grad``. Timed once per round, with the compiled rows.
+``<compiler>/recompute|retain|reweight``
+    ``GRPOTrainer.compute_gradients`` with that schedule, its policy step compiled by
+    ``compiler`` (``aot_eager`` or ``inductor``; several with ``compilers``).
+
+Every row uses the same model, shapes, SDE (``flow_grpo`` for FLUX, ``dance_grpo`` for Wan),
+steps, seeds (timestep selection, initial latents, SDE noise) and reward; advantages come from
+each row's own rollout, which is the same up to rounding. Each row gets one warm-up call
+(captures and compiles the graphs), then ``repeats`` interleaved rounds time every row once
+(rollout and update seconds, in the trainer's sense: rollout = sampling + rewards +
+advantages, update = the gradient computation). Reported per row: the median and the minimum
+over the rounds, retained bytes, gradient buffers, and the gradient's cosine and relative L2
+error against recompute's (and against eager's).
+
+The ideal ratio is measured from the captured graphs themselves: forward without grad ``F0``,
+forward with saving ``F``, backward ``B`` of the full batch at one step; with ``T`` steps of
+which ``S`` are trained per sample, ``ideal = (T*F0 + S*(F + B)) / ((T - S)*F0 + S*(F + B))``
+(recompute's work over a schedule's that reuses the rollout's forward). ``fraction_of_ideal``
+is a lean schedule's ratio to recompute over that ideal, by median and by minimum.
 """
 
 from __future__ import annotations
@@ -15,10 +38,15 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable, Mapping
 
 import torch
 
-__all__ = ["BenchConfig", "run_grpo_bench", "main"]
+__all__ = ["BenchConfig", "EagerResult", "eager_flow_grpo_gradients", "run_grpo_bench",
+           "format_table", "main"]
+
+COMPILERS = ("aot_eager", "inductor")
+SCHEDULES = ("recompute", "retain", "reweight")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +55,7 @@ class BenchConfig:
 
     model: str = "flux"
     """``flux`` or ``wan``."""
-    schedules: tuple[str, ...] = ("recompute", "retain", "reweight")
+    schedules: tuple[str, ...] = SCHEDULES
     layers: int = 2
     """FLUX: double-stream and single-stream blocks each; Wan: blocks."""
     hidden: int = 256
@@ -43,18 +71,32 @@ class BenchConfig:
     group_size: int = 2
     repeats: int = 5
     compiler: str = "aot_eager"
+    """The compiler of the report's top-level rows. With ``compilers`` given, it is set to the
+    first of them."""
+    compilers: tuple[str, ...] | None = None
+    """Compilers to time the schedules under, in order (the eager row runs once); None: just
+    ``compiler``. After construction this is never None."""
     seed: int = 0
     threads: int | None = None
 
     def __post_init__(self):
         if self.model not in ("flux", "wan"):
             raise ValueError(f"model={self.model!r}; use 'flux' or 'wan'")
-        unknown = set(self.schedules) - {"recompute", "retain", "reweight"}
+        unknown = set(self.schedules) - set(SCHEDULES)
         if unknown or "recompute" not in self.schedules:
             raise ValueError(f"schedules={self.schedules}: pick from recompute, retain, reweight "
                              "and include recompute (the reference)")
         if self.hidden % 64:
             raise ValueError(f"hidden={self.hidden} must be a multiple of 64 (the head dim)")
+        compilers = (self.compiler,) if self.compilers is None else tuple(self.compilers)
+        if not compilers or set(compilers) - set(COMPILERS) or len(set(compilers)) != len(
+                compilers):
+            raise ValueError(f"compilers={self.compilers}: give one or more distinct names "
+                             f"from {COMPILERS}")
+        object.__setattr__(self, "compilers", compilers)
+        object.__setattr__(self, "compiler", compilers[0])
+        if self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats} must be >= 1")
 
 
 def build_policy(config: BenchConfig):
@@ -99,60 +141,142 @@ def mean_latent_reward(latents, conditions):
     return latents.float().flatten(1).mean(1)
 
 
-def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
-    from ..grpo.trainer import GRPOConfig, GRPOTrainer
+# -- the eager row -----------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class EagerResult:
+    """One plain eager FlowGRPO iteration's gradients and its two timed phases."""
 
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    policy = build_policy(config)
-    sde = "dance_grpo" if config.model == "wan" else "flow_grpo"
-    trainer = GRPOTrainer(policy, mean_latent_reward, None, GRPOConfig(
-        sde=sde, eta=0.3 if sde == "dance_grpo" else 0.9, group_size=config.group_size,
-        timestep_fraction=config.fraction, compiler=config.compiler))
-    conditions = policy.example_conditions(config.prompts, torch.Generator().manual_seed(1),
-                                           sequence_length=config.text_length)
+    grads: dict[str, torch.Tensor]
+    """Trainable parameters by name, in ``policy.named_parameters()`` order."""
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    rollout_seconds: float
+    """Sampling under ``no_grad`` (velocity + SDE step + log-prob per step), rewards and group
+    advantages."""
+    update_seconds: float
+    """Forward with grad + log-prob + PPO loss + backward per selected step."""
+    ratio_error: float = 0.0
+    """max |ratio - 1| over the update's rows (on-policy: 1 up to the rounding of the grad
+    forward against the no-grad one)."""
 
-    def gen():
-        return torch.Generator().manual_seed(config.seed + 7)
 
-    for name in config.schedules:
-        log(f"[bench] {name}: warm-up (captures and compiles the graphs)")
-        trainer.compute_gradients(conditions, gen(), schedule=name)
-    # Rounds interleave the schedules, so drift on the machine hits them alike; medians. Only
-    # timings and the last gradients are kept (holding every result's tensors skews the
-    # allocator, and so the timings, of later runs).
-    times = {name: [] for name in config.schedules}
-    last = {}
-    for i in range(config.repeats):
-        for name in config.schedules:
-            result = trainer.compute_gradients(conditions, gen(), schedule=name)
-            times[name].append((result.rollout_seconds, result.update_seconds))
-            last[name] = (torch.cat([g.flatten().double() for g in result.grads.values()]),
-                          result.retained_bytes, result.buffer_bytes)
-            del result
-            log(f"[bench] round {i + 1} {name}: rollout {times[name][-1][0]:.3f} s, "
-                f"update {times[name][-1][1]:.3f} s")
-    results, grads = {}, {}
-    for name, done in times.items():
-        totals = [r + u for r, u in done]
-        grads[name], retained, buffered = last[name]
-        results[name] = {"rollout_s": statistics.median(r for r, _ in done),
-                         "update_s": statistics.median(u for _, u in done),
-                         "total_s": statistics.median(totals),
-                         "total_s_min": min(totals), "total_s_max": max(totals),
-                         "retained_bytes": retained, "buffer_bytes": buffered,
-                         "peak_extra_bytes": max(retained, buffered)}
+def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Tensor],
+                              reward_fn: Callable, generator: torch.Generator) -> EagerResult:
+    """One FlowGRPO iteration in plain eager PyTorch (no compile, no leancompile), without the
+    optimizer step: the gradient that ``GRPOTrainer(policy, reward_fn, None, config)
+    .compute_gradients(conditions, generator)`` computes, by FlowGRPO's loop.
 
-    reference = grads["recompute"]
-    base_total = results["recompute"]["total_s"]
-    for name, entry in results.items():
-        g = grads[name]
-        entry["ratio_to_recompute"] = base_total / entry["total_s"]
-        entry["grad_cosine"] = torch.nn.functional.cosine_similarity(g, reference, dim=0).item()
-        entry["grad_rel_l2"] = ((g - reference).norm() / reference.norm()).item()
+    ``config`` is the trainer's ``GRPOConfig`` (``sde``, ``eta``, ``group_size``, timestep
+    selection, clipping; ``beta`` must be 0). The draws from ``generator`` are the trainer's, in
+    its order: the trained steps, the initial latents, then all SDE noise ``[T, B, ...]``; so
+    with the same generator state both see the same trajectory noise. Gradients accumulate in
+    ``.grad`` (which must be empty on entry) and are handed back, leaving ``.grad`` empty.
+    """
+    from ..grpo.advantages import AdvantageConfig, group_advantages, group_ids_for
+    from ..grpo.rewards import check_rewards
+    from ..grpo.sde import sde_step
+    from ..grpo.timesteps import TimestepSelection, same_noise_latents, select_timesteps
 
-    # The ideal ratio from the step itself, full batch at one step: its inference graph (F0),
-    # its forward graph with grad (F) and its backward graph (B), through the same LeanStep.
+    if config.beta > 0:
+        raise ValueError("the eager FlowGRPO row has no KL term; use beta=0")
+    params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+    if any(p.grad is not None for _, p in params):
+        raise ValueError("the policy's parameters already hold gradients; clear them first")
+    keys = list(conditions)
+    num_prompts = next(iter(conditions.values())).shape[0]
+    batch = num_prompts * config.group_size
+    cond = {k: v.repeat_interleave(config.group_size, dim=0) for k, v in conditions.items()}
+    sigmas = policy.sigmas
+    num_steps = len(sigmas) - 1
+
+    # The same draws as the trainer, in its order.
+    selected = select_timesteps(
+        TimestepSelection(strategy=config.strategy, fraction=None if config.strategy == "window"
+                          else config.timestep_fraction),
+        batch=batch, num_steps=num_steps, generator=generator)
+    if config.init_same_noise:
+        latents = same_noise_latents(policy.initial_latents(num_prompts, generator),
+                                     config.group_size)
+    else:
+        latents = policy.initial_latents(batch, generator)
+    latents = latents.float()
+    noise = torch.randn((num_steps,) + tuple(latents.shape), generator=generator,
+                        dtype=torch.float32, device=latents.device)
+    sigmas = sigmas.to(latents.device)
+
+    def transition(x, step, **sample):
+        velocity = policy.velocity(x, step, {k: cond[k] for k in keys})
+        return sde_step(config.sde, latents=x, velocity=velocity, sigma=sigmas[step],
+                        sigma_next=sigmas[step + 1], eta=config.eta, sigma_max=sigmas[1],
+                        **sample)
+
+    # Sampling: every step of every sample, no autograd graph.
+    start = time.perf_counter()
+    with torch.no_grad():
+        x = latents
+        trajectory, log_probs = [x], torch.zeros(batch, num_steps)
+        for k in range(num_steps):
+            out = transition(x, torch.full((batch,), k, dtype=torch.long), noise=noise[k])
+            x = out.prev_sample
+            trajectory.append(x)
+            log_probs[:, k] = out.log_prob
+        trajectory = torch.stack(trajectory, dim=1)
+        rewards = check_rewards(reward_fn(x, cond), batch)
+        advantages = group_advantages(
+            rewards, group_ids_for(num_prompts, config.group_size),
+            AdvantageConfig(global_std=config.global_std, adv_clip_max=config.adv_clip_max))
+    rollout_seconds = time.perf_counter() - start
+
+    # FlowGRPO's update: for the j-th selected step of every sample, a forward with grad, the
+    # log-prob of the recorded transition, the PPO clipped loss (mean over the batch), and a
+    # backward; accelerate's gradient accumulation over the selected steps divides each loss
+    # by their number.
+    start = time.perf_counter()
+    rows = torch.arange(batch)
+    num_selected = selected.shape[1]
+    adv = torch.clamp(advantages, -config.adv_clip_max, config.adv_clip_max)
+    ratio_error = 0.0
+    for j in range(num_selected):
+        step = selected[:, j]
+        out = transition(trajectory[rows, step], step, prev_sample=trajectory[rows, step + 1])
+        ratio = torch.exp(out.log_prob - log_probs[rows, step])
+        ratio_error = max(ratio_error, (ratio.detach() - 1).abs().max().item())
+        unclipped = -adv * ratio
+        clipped = -adv * torch.clamp(ratio, 1.0 - config.clip_range, 1.0 + config.clip_range)
+        loss = torch.mean(torch.maximum(unclipped, clipped)) / num_selected
+        loss.backward()
+    grads = {}
+    for name, p in params:
+        grads[name] = torch.zeros_like(p) if p.grad is None else p.grad
+        p.grad = None
+    update_seconds = time.perf_counter() - start
+    return EagerResult(grads=grads, rewards=rewards, advantages=advantages,
+                       rollout_seconds=rollout_seconds, update_seconds=update_seconds,
+                       ratio_error=ratio_error)
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.detach().flatten().double() for g in grads.values()])
+
+
+def _agreement(g: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    cosine = torch.nn.functional.cosine_similarity(g, reference, dim=0).item()
+    return cosine, ((g - reference).norm() / reference.norm()).item()
+
+
+def _entry(done, retained: int, buffered: int) -> dict:
+    totals = [r + u for r, u in done]
+    return {"rollout_s": statistics.median(r for r, _ in done),
+            "update_s": statistics.median(u for _, u in done),
+            "total_s": statistics.median(totals),
+            "total_s_min": min(totals), "total_s_max": max(totals),
+            "retained_bytes": retained, "buffer_bytes": buffered,
+            "peak_extra_bytes": max(retained, buffered)}
+
+
+def _step_times(trainer, policy, conditions, config: BenchConfig, gen) -> dict:
+    """``F0``, ``F`` and ``B`` of the full batch at one step, through the trainer's LeanStep."""
     keys = list(conditions)
     batch = config.prompts * config.group_size
     lean = trainer.lean_step(keys)
@@ -163,52 +287,216 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
     with torch.no_grad():
         f0 = _median_seconds(lambda: lean(*args, noise=noise), 5)
     f = _median_seconds(lambda: lean(*args, noise=noise), 5)
+
     def backward():
         out = lean(*args, noise=noise)
         start = time.perf_counter()
         out[1].sum().backward()
         return time.perf_counter() - start
+
     b = statistics.median(backward() for _ in range(5))
     for p in policy.parameters():
         p.grad = None
-    ideal = (f0 + f + b) / (f + b)
-    lean = {k: v for k, v in results.items() if k != "recompute"}
-    best = max(lean, key=lambda k: lean[k]["ratio_to_recompute"]) if lean else None
+    return {"forward_nograd_s": f0, "forward_s": f, "backward_s": b}
+
+
+def _best_lean(results: dict) -> dict:
+    lean = [k for k in results if k != "recompute"]
+    if not lean:
+        return {"best_lean_schedule": None, "best_fraction_of_ideal": None,
+                "best_lean_schedule_min": None, "best_fraction_of_ideal_min": None}
+    best = max(lean, key=lambda k: results[k]["ratio_to_recompute"])
+    best_min = max(lean, key=lambda k: results[k]["ratio_to_recompute_min"])
+    return {"best_lean_schedule": best,
+            "best_fraction_of_ideal": results[best]["fraction_of_ideal"],
+            "best_lean_schedule_min": best_min,
+            "best_fraction_of_ideal_min": results[best_min]["fraction_of_ideal_min"]}
+
+
+def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
+    """Time the eager row and every (compiler, schedule) in interleaved rounds; see the module
+    docstring. The top-level ``schedules`` holds ``eager`` and the first compiler's rows;
+    ``by_compiler`` every compiler's."""
+    from ..grpo.timesteps import TimestepSelection
+    from ..grpo.trainer import GRPOConfig, GRPOTrainer
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    policy = build_policy(config)
+    sde = "dance_grpo" if config.model == "wan" else "flow_grpo"
+    trainers = {c: GRPOTrainer(policy, mean_latent_reward, None, GRPOConfig(
+        sde=sde, eta=0.3 if sde == "dance_grpo" else 0.9, group_size=config.group_size,
+        timestep_fraction=config.fraction, compiler=c)) for c in config.compilers}
+    grpo_config = trainers[config.compiler].config
+    conditions = policy.example_conditions(config.prompts, torch.Generator().manual_seed(1),
+                                           sequence_length=config.text_length)
+
+    def gen():
+        return torch.Generator().manual_seed(config.seed + 7)
+
+    rows = [("eager", None)] + [(c, s) for c in config.compilers for s in config.schedules]
+
+    def run(compiler, schedule):
+        if compiler == "eager":
+            return eager_flow_grpo_gradients(policy, grpo_config, conditions,
+                                             mean_latent_reward, gen())
+        return trainers[compiler].compute_gradients(conditions, gen(), schedule=schedule)
+
+    def label(compiler, schedule):
+        return "eager" if compiler == "eager" else f"{compiler}/{schedule}"
+
+    for row in rows:
+        log(f"[bench] {label(*row)}: warm-up (captures and compiles the graphs)")
+        run(*row)
+    # Rounds interleave the rows, so drift on the machine hits them alike. Only timings and the
+    # last gradients are kept (holding every result's tensors skews the allocator, and so the
+    # timings, of later runs).
+    times = {row: [] for row in rows}
+    last = {}
+    ratio_errors = {row: 0.0 for row in rows}
+    for i in range(config.repeats):
+        for row in rows:
+            result = run(*row)
+            times[row].append((result.rollout_seconds, result.update_seconds))
+            ratio_errors[row] = max(ratio_errors[row], result.ratio_error or 0.0)
+            last[row] = (_flat(result.grads), getattr(result, "retained_bytes", 0),
+                         getattr(result, "buffer_bytes", 0))
+            del result
+            log(f"[bench] round {i + 1} {label(*row)}: rollout {times[row][-1][0]:.3f} s, "
+                f"update {times[row][-1][1]:.3f} s")
+
+    entries, grads = {}, {}
+    for row, done in times.items():
+        grads[row], retained, buffered = last[row]
+        entries[row] = _entry(done, retained, buffered)
+        entries[row]["ratio_error"] = ratio_errors[row]
+    eager = entries[("eager", None)]
+    eager_grad = grads[("eager", None)]
+
+    num_steps = config.steps
+    num_selected = TimestepSelection(
+        strategy=grpo_config.strategy, fraction=None if grpo_config.strategy == "window"
+        else grpo_config.timestep_fraction).num_selected(num_steps)
+    by_compiler = {}
+    for compiler in config.compilers:
+        step_times = _step_times(trainers[compiler], policy, conditions, config, gen)
+        f0, fb = step_times["forward_nograd_s"], step_times["forward_s"] + step_times["backward_s"]
+        ideal = (num_steps * f0 + num_selected * fb) / (
+            (num_steps - num_selected) * f0 + num_selected * fb)
+        base = entries[(compiler, "recompute")]
+        reference = grads[(compiler, "recompute")]
+        results = {}
+        for schedule in config.schedules:
+            entry = entries[(compiler, schedule)]
+            entry["compiler"] = compiler
+            entry["ratio_to_recompute"] = base["total_s"] / entry["total_s"]
+            entry["ratio_to_recompute_min"] = base["total_s_min"] / entry["total_s_min"]
+            lean = schedule != "recompute"
+            entry["fraction_of_ideal"] = entry["ratio_to_recompute"] / ideal if lean else None
+            entry["fraction_of_ideal_min"] = (entry["ratio_to_recompute_min"] / ideal
+                                              if lean else None)
+            entry["ratio_to_eager"] = eager["total_s"] / entry["total_s"]
+            entry["ratio_to_eager_min"] = eager["total_s_min"] / entry["total_s_min"]
+            entry["grad_cosine"], entry["grad_rel_l2"] = _agreement(
+                grads[(compiler, schedule)], reference)
+            entry["grad_cosine_to_eager"], entry["grad_rel_l2_to_eager"] = _agreement(
+                grads[(compiler, schedule)], eager_grad)
+            results[schedule] = entry
+        by_compiler[compiler] = {"step_times": step_times, "ideal_ratio": ideal,
+                                 **_best_lean(results), "schedules": results}
+
+    # The eager row, against the first compiler's recompute.
+    first = by_compiler[config.compiler]
+    base = first["schedules"]["recompute"]
+    eager.update(compiler=None, ratio_to_recompute=base["total_s"] / eager["total_s"],
+                 ratio_to_recompute_min=base["total_s_min"] / eager["total_s_min"],
+                 fraction_of_ideal=None, fraction_of_ideal_min=None, ratio_to_eager=1.0,
+                 ratio_to_eager_min=1.0)
+    eager["grad_cosine"], eager["grad_rel_l2"] = _agreement(
+        eager_grad, grads[(config.compiler, "recompute")])
+    eager["grad_cosine_to_eager"], eager["grad_rel_l2_to_eager"] = 1.0, 0.0
+
+    best = min(((c, s) for c in config.compilers for s in config.schedules),
+               key=lambda row: entries[row]["total_s"])
+    best_entry = entries[best]
     return {
-        "config": {**asdict(config), "sde": sde, "batch": batch,
+        "config": {**asdict(config), "sde": sde, "batch": config.prompts * config.group_size,
+                   "selected_steps": num_selected,
                    "tokens": (config.latent // 2) ** 2 if config.model == "flux" else None,
                    "threads": torch.get_num_threads(), "device": "cpu",
                    "note": "tiny random-init model; compute dominates Python overhead at these "
                            "sizes on CPU"},
-        "step_times": {"forward_nograd_s": f0, "forward_s": f, "backward_s": b},
-        "ideal_ratio": ideal,
-        "best_lean_schedule": best,
-        "best_fraction_of_ideal": (lean[best]["ratio_to_recompute"] / ideal) if best else None,
-        "schedules": results,
+        "step_times": first["step_times"],
+        "ideal_ratio": first["ideal_ratio"],
+        **{k: first[k] for k in ("best_lean_schedule", "best_fraction_of_ideal",
+                                 "best_lean_schedule_min", "best_fraction_of_ideal_min")},
+        "schedules": {"eager": eager, **first["schedules"]},
+        "by_compiler": by_compiler,
+        "best_configuration": {"compiler": best[0], "schedule": best[1],
+                               "total_s": best_entry["total_s"],
+                               "ratio_to_eager": best_entry["ratio_to_eager"],
+                               "ratio_to_eager_min": best_entry["ratio_to_eager_min"]},
     }
 
 
+def _percent(value) -> str:
+    return f"{value * 100:8.1f}%" if value is not None else f"{'-':>9s}"
+
+
 def format_table(report: dict) -> str:
-    lines = [f"ideal ratio (F0+F+B)/(F+B) = {report['ideal_ratio']:.3f}   "
-             f"(F0 {report['step_times']['forward_nograd_s'] * 1e3:.1f} ms, "
-             f"F {report['step_times']['forward_s'] * 1e3:.1f} ms, "
-             f"B {report['step_times']['backward_s'] * 1e3:.1f} ms per step)",
-             f"{'schedule':10s} {'rollout s':>10s} {'update s':>9s} {'total s':>8s} "
-             f"{'ratio':>6s} {'kept MiB':>9s} {'cosine':>10s} {'rel L2':>9s}"]
-    for name, e in report["schedules"].items():
-        lines.append(f"{name:10s} {e['rollout_s']:10.3f} {e['update_s']:9.3f} {e['total_s']:8.3f} "
-                     f"{e['ratio_to_recompute']:6.3f} {e['peak_extra_bytes'] / 2**20:9.2f} "
-                     f"{e['grad_cosine']:10.7f} {e['grad_rel_l2']:9.2e}")
-    if report["best_lean_schedule"]:
-        lines.append(f"best lean schedule {report['best_lean_schedule']}: "
-                     f"{report['best_fraction_of_ideal'] * 100:.1f}% of the ideal ratio")
+    """The report as text: one line per row, medians and minima over the rounds."""
+    cfg = report.get("config", {})
+    steps, selected = cfg.get("steps"), cfg.get("selected_steps")
+    by_compiler = report.get("by_compiler") or {cfg.get("compiler", "?"): report}
+    lines = []
+    for compiler, part in by_compiler.items():
+        t = part["step_times"]
+        lines.append(f"{compiler}: ideal ratio (T*F0+S*(F+B))/((T-S)*F0+S*(F+B)) = "
+                     f"{part['ideal_ratio']:.3f}   (F0 {t['forward_nograd_s'] * 1e3:.1f} ms, "
+                     f"F {t['forward_s'] * 1e3:.1f} ms, B {t['backward_s'] * 1e3:.1f} ms per "
+                     f"step; T={steps}, S={selected})")
+    lines.append(f"{'row':20s} {'rollout s':>9s} {'update s':>8s} {'total s':>7s} {'min s':>6s} "
+                 f"{'ratio':>6s} {'r. min':>6s} {'of ideal':>9s} {'id. min':>9s} "
+                 f"{'x eager':>7s} {'x e. min':>8s} {'kept MiB':>8s} {'cosine':>10s} "
+                 f"{'rel L2':>8s} {'|ratio-1|':>9s}")
+    rows = [("eager", report["schedules"]["eager"])] if "eager" in report["schedules"] else []
+    for compiler, part in by_compiler.items():
+        rows += [(f"{compiler}/{name}", e) for name, e in part["schedules"].items()
+                 if name != "eager"]
+    for name, e in rows:
+        lines.append(
+            f"{name:20s} {e['rollout_s']:9.3f} {e['update_s']:8.3f} {e['total_s']:7.3f} "
+            f"{e['total_s_min']:6.3f} {e['ratio_to_recompute']:6.3f} "
+            f"{e['ratio_to_recompute_min']:6.3f} {_percent(e['fraction_of_ideal'])} "
+            f"{_percent(e['fraction_of_ideal_min'])} {e['ratio_to_eager']:7.3f} "
+            f"{e['ratio_to_eager_min']:8.3f} {e['peak_extra_bytes'] / 2**20:8.2f} "
+            f"{e['grad_cosine']:10.7f} {e['grad_rel_l2']:8.2e} "
+            f"{e.get('ratio_error', float('nan')):9.2e}")
+    lines.append("ratio: recompute's total / the row's (same compiler; eager: the first "
+                 "compiler's recompute); x eager: eager's total / the row's; cosine, rel L2: "
+                 "gradient against recompute's; |ratio-1|: the largest PPO ratio error of the "
+                 "on-policy update (ratio_error)")
+    for compiler, part in by_compiler.items():
+        if part["best_lean_schedule"]:
+            lines.append(f"best lean schedule ({compiler}) by median "
+                         f"{part['best_lean_schedule']}: "
+                         f"{part['best_fraction_of_ideal'] * 100:.1f}% of the ideal ratio; "
+                         f"by min {part['best_lean_schedule_min']}: "
+                         f"{part['best_fraction_of_ideal_min'] * 100:.1f}%")
+    best = report.get("best_configuration")
+    if best:
+        verdict = "faster" if best["ratio_to_eager"] > 1 else "slower"
+        lines.append(f"best configuration (median total): {best['compiler']}/{best['schedule']}, "
+                     f"{best['total_s']:.3f} s, {best['ratio_to_eager']:.3f}x eager "
+                     f"({verdict} than eager; by min {best['ratio_to_eager_min']:.3f}x)")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="leancompile bench grpo", description=__doc__)
+    p = argparse.ArgumentParser(prog="leancompile bench grpo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="flux", choices=("flux", "wan"))
     p.add_argument("--schedules", default="recompute,retain,reweight")
     p.add_argument("--steps", type=int, default=8)
@@ -218,13 +506,29 @@ def main(argv=None) -> int:
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--fraction", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--compiler", default="aot_eager", choices=("aot_eager", "inductor"))
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--compiler", default=None, choices=COMPILERS,
+                   help="compiler of the schedules (default aot_eager)")
+    p.add_argument("--compilers", default=None,
+                   help="comma list of compilers to time the schedules under in one run, e.g. "
+                        "aot_eager,inductor (the first gives the top-level rows); default: "
+                        "--compiler")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (logs go to "
+                                                       "stderr)")
     ns = p.parse_args(argv)
-    config = BenchConfig(model=ns.model, schedules=tuple(ns.schedules.split(",")),
-                         steps=ns.steps, layers=ns.layers, hidden=ns.hidden, latent=ns.latent,
-                         group_size=ns.group_size, fraction=ns.fraction, repeats=ns.repeats,
-                         compiler=ns.compiler)
+    if ns.compilers is not None:
+        compilers = tuple(c.strip() for c in ns.compilers.split(",") if c.strip())
+        if ns.compiler is not None and compilers[:1] != (ns.compiler,):
+            p.error(f"--compiler {ns.compiler} and --compilers {ns.compilers}: the first of "
+                    "--compilers is the top-level compiler; give one of the two")
+    else:
+        compilers = (ns.compiler or "aot_eager",)
+    try:
+        config = BenchConfig(model=ns.model, schedules=tuple(ns.schedules.split(",")),
+                             steps=ns.steps, layers=ns.layers, hidden=ns.hidden,
+                             latent=ns.latent, group_size=ns.group_size, fraction=ns.fraction,
+                             repeats=ns.repeats, compiler=compilers[0], compilers=compilers)
+    except ValueError as error:
+        p.error(str(error))
     log = (lambda *a: print(*a, file=sys.stderr)) if ns.json else print
     report = run_grpo_bench(config, log=log)
     if ns.json:

@@ -1,21 +1,39 @@
-"""The GRPO demo: a few LeanGRPO steps on a small random-init diffusers FLUX, on the CPU.
+"""The GRPO demo: LeanGRPO training a small random-init diffusers FLUX on the CPU, visibly.
 
 1. The three schedules compute gradients for the same rollout (same seeds): their agreement
    with recompute (cosine, relative L2) and their measured times.
-2. A few ``GRPOTrainer.step`` calls with ``schedule="auto"`` (Adam), decoded through a small
-   random-init ``AutoencoderKL``; a reward that prefers red images. Per step: an image grid;
-   at the end: the reward curve.
+2. ``GRPOTrainer.step`` calls with ``schedule="auto"`` (Adam, full fine-tuning) on several
+   prompts x a group of samples, decoded through a small random-init ``AutoencoderTiny``; the
+   reward prefers red images (``TargetColorReward``). Each step draws fresh seeds, except the
+   last, which replays the first step's seed, so the first and the last step's images start
+   from the same noise and differ only by what training changed. The demo prints the mean
+   reward of the first and the last step with their standard errors (std of the step's
+   per-sample rewards / sqrt(samples)), says whether the rise exceeds 5 standard errors of the
+   first step's mean, and saves ``first_vs_last.png`` (the two steps' images side by side),
+   one image grid per step and ``reward_curve.png`` (mean reward with standard-error bars).
 3. A closing table: step time of recompute vs the schedule auto chose, measured in this run.
+
+Why ``AutoencoderTiny``: a random-init ``AutoencoderKL`` decoder normalises its features
+(GroupNorm) before the output convolution, so no latent can move the mean colour of its images
+much (direct gradient ascent on the latents moves the mean red from 0.46 to 0.49): a colour
+reward then has nothing visible to learn. The convolution + ReLU decoder of ``AutoencoderTiny``
+passes colour through; ``_tiny_vae`` sets its output bias so that decoded Gaussian latents are
+mid-grey on average, so the untrained policy draws near-grey noise and the colour comes from
+training. torch runs on one thread during the demo (see ``main``).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
 import torch
 
 __all__ = ["main"]
+
+TARGET = (1.0, 0.0, 0.0)
+"""The colour the reward prefers (red)."""
 
 
 def _progress(iterable, desc):
@@ -27,8 +45,32 @@ def _progress(iterable, desc):
         return iterable
 
 
-def _build(seed: int = 0):
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
+def _tiny_vae(*, gain: float = 2.0, calibration_samples: int = 64):
+    """A random-init ``AutoencoderTiny`` (16 channels, one block per level, 2x upsampling) whose
+    last convolution is scaled by ``gain`` (contrast of the decoded noise) and whose output bias
+    makes decoded standard-normal latents average mid-grey (0.5) in each RGB channel. Without
+    it the non-negative ReLU features give a random, mostly near-black colour cast."""
+    from diffusers import AutoencoderTiny
+
+    vae = AutoencoderTiny(encoder_block_out_channels=(16, 16),
+                          decoder_block_out_channels=(16, 16), num_encoder_blocks=(1, 1),
+                          num_decoder_blocks=(1, 1), latent_channels=4).eval()
+    vae.requires_grad_(False)
+    last = vae.decoder.layers[-1]
+    with torch.no_grad():
+        last.weight.mul_(gain)
+        last.bias.zero_()
+        latents = torch.randn(calibration_samples, 4, 16, 16,
+                              generator=torch.Generator().manual_seed(0))
+        # The decoder maps its output x to pixels clamp(x, 0, 1) (decode: 2x - 1; the
+        # postprocessing: / 2 + 0.5), so an output bias of 0.5 - mean(x) centres it on grey.
+        mean = vae.decode(latents, return_dict=False)[0].add(1).div(2).mean(dim=(0, 2, 3))
+        last.bias.copy_(0.5 - mean)
+    return vae
+
+
+def _build(*, seed: int = 0, num_inference_steps: int = 6):
+    from diffusers import FluxTransformer2DModel
 
     from ..integrations.diffusers import FluxPolicy
 
@@ -37,69 +79,117 @@ def _build(seed: int = 0):
         patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=32,
         num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=64,
         axes_dims_rope=[8, 12, 12], guidance_embeds=True).eval()
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16),
-                        latent_channels=4, norm_num_groups=4, sample_size=32,
-                        scaling_factor=0.3611, shift_factor=0.1159).eval()
-    vae.requires_grad_(False)
+    vae = _tiny_vae()
     # 16x16 latents of 4 channels (packed 8x8 tokens of 16), decoded to 32x32 images.
-    policy = FluxPolicy(transformer, num_inference_steps=6, height=16, width=16,
-                        vae_scale_factor=1, vae_config=vae.config)
+    policy = FluxPolicy(transformer, num_inference_steps=num_inference_steps, height=16,
+                        width=16, vae_scale_factor=1, vae_config=vae.config)
     return policy, vae
 
 
-def _grid(images: torch.Tensor, path: Path) -> None:
+def _grid(images: torch.Tensor, *, columns: int, scale: int = 4):
+    """``[B, 3, h, w]`` images in [0, 1] as a PIL image: ``columns`` per row, 2-pixel white
+    borders, enlarged ``scale`` times (nearest neighbour)."""
     from PIL import Image
 
     b, _, h, w = images.shape
-    grid = torch.ones(3, h + 4, b * (w + 4))
+    rows = -(-b // columns)
+    grid = torch.ones(3, rows * (h + 4), columns * (w + 4))
     for i in range(b):
-        grid[:, 2:2 + h, i * (w + 4) + 2:i * (w + 4) + 2 + w] = images[i]
+        r, c = divmod(i, columns)
+        grid[:, r * (h + 4) + 2:r * (h + 4) + 2 + h,
+             c * (w + 4) + 2:c * (w + 4) + 2 + w] = images[i]
     array = (grid.permute(1, 2, 0).clamp(0, 1) * 255).round().byte().numpy()
-    Image.fromarray(array).resize((array.shape[1] * 4, array.shape[0] * 4),
-                                  Image.NEAREST).save(path)
+    return Image.fromarray(array).resize((array.shape[1] * scale, array.shape[0] * scale),
+                                         Image.NEAREST)
 
 
-def _plot(values, path: Path) -> bool:
+def _side_by_side(panels, path: Path) -> None:
+    """``panels``: (title, PIL image) pairs, saved next to each other with their titles above."""
+    from PIL import Image, ImageDraw
+
+    gap, header = 24, 28
+    width = sum(image.width for _, image in panels) + gap * (len(panels) + 1)
+    height = max(image.height for _, image in panels) + header + gap
+    canvas = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(canvas)
+    x = gap
+    for title, image in panels:
+        draw.text((x, 8), title, fill="black")
+        canvas.paste(image, (x, header))
+        x += image.width + gap
+    canvas.save(path)
+
+
+def _plot(means, errors, threshold, path: Path) -> bool:
+    """Mean reward per step with standard-error bars, and the first step's mean + 5 SE."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(4, 3))
-    ax.plot(range(1, len(values) + 1), values, marker="o")
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    steps = range(1, len(means) + 1)
+    ax.errorbar(steps, means, yerr=errors, marker="o", capsize=3, label="mean reward +- SE")
+    ax.axhline(threshold, color="grey", linestyle="--", linewidth=1,
+               label="first step + 5 SE")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("GRPO step")
-    ax.set_ylabel("mean reward")
+    ax.set_ylabel("mean reward (- distance to red)")
     ax.set_title("LeanGRPO on tiny FLUX")
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return True
 
 
-def main(*, out: str = "leancompile-out", steps: int = 4) -> int:
+def main(*, out: str = "leancompile-out", steps: int = 20, prompts: int = 4,
+         group_size: int = 4, lr: float = 3e-3, num_inference_steps: int = 6,
+         threads: int | None = 1) -> int:
+    """Run the demo; images and plots go to ``out/grpo``. Returns 0 when the schedules'
+    gradients agree with recompute and the mean reward rose by more than 5 standard errors.
+
+    ``threads``: torch's intra-op threads while the demo runs (restored on return; None: leave
+    them). This model's ops are too small to gain from threads, and on a shared machine
+    OpenMP's barriers between busy threads made a step 10-40x slower (2 threads, 2 cores).
+    """
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run(out=out, steps=steps, prompts=prompts, group_size=group_size, lr=lr,
+                    num_inference_steps=num_inference_steps)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run(*, out, steps, prompts, group_size, lr, num_inference_steps) -> int:
     from ..grpo.rewards import TargetColorReward, decode_latents, decoded
     from ..grpo.trainer import GRPOConfig, GRPOTrainer
 
+    if steps < 2:
+        raise ValueError(f"steps={steps}: the demo compares a first and a last step")
     out_dir = Path(out) / "grpo"
     out_dir.mkdir(parents=True, exist_ok=True)
-    policy, vae = _build()
-    reward = decoded(TargetColorReward(target=(1.0, 0.0, 0.0)), vae=vae,
+    policy, vae = _build(num_inference_steps=num_inference_steps)
+    reward = decoded(TargetColorReward(target=TARGET), vae=vae,
                      to_vae_latents=policy.to_vae_latents)
-    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=3e-4)
-    config = GRPOConfig(sde="flow_grpo", eta=0.9, group_size=4, schedule="auto")
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=lr)
+    config = GRPOConfig(sde="flow_grpo", eta=0.9, group_size=group_size, schedule="auto")
     trainer = GRPOTrainer(policy, reward, optimizer, config)
-    conditions = policy.example_conditions(1, torch.Generator().manual_seed(1), sequence_length=16)
+    one_prompt = policy.example_conditions(1, torch.Generator().manual_seed(1),
+                                           sequence_length=16)
 
     print("== 1. the three schedules on one rollout (same seeds)")
-    print(trainer.explain(conditions, torch.Generator().manual_seed(0)))
+    print(trainer.explain(one_prompt, torch.Generator().manual_seed(0)))
     results = {}
     for name in _progress(("recompute", "retain", "reweight"), "capture + warm-up"):
-        trainer.compute_gradients(conditions, torch.Generator().manual_seed(0), schedule=name)
+        trainer.compute_gradients(one_prompt, torch.Generator().manual_seed(0), schedule=name)
     for name in ("recompute", "retain", "reweight"):
-        results[name] = trainer.compute_gradients(conditions, torch.Generator().manual_seed(0),
+        results[name] = trainer.compute_gradients(one_prompt, torch.Generator().manual_seed(0),
                                                   schedule=name)
     ref = torch.cat([g.flatten().double() for g in results["recompute"].grads.values()])
     agreement = {}
@@ -108,19 +198,47 @@ def main(*, out: str = "leancompile-out", steps: int = 4) -> int:
         agreement[name] = (torch.nn.functional.cosine_similarity(g, ref, dim=0).item(),
                            ((g - ref).norm() / ref.norm()).item())
 
-    print(f"\n== 2. {steps} GRPO steps, schedule='auto', images in {out_dir}")
-    rewards, chosen = [], []
+    conditions = policy.example_conditions(prompts, torch.Generator().manual_seed(2),
+                                           sequence_length=16)
+    samples = prompts * group_size
+    print(f"\n== 2. {steps} GRPO steps, schedule='auto', {prompts} prompts x {group_size} "
+          f"samples, Adam lr {lr:g}, reward: closeness of the decoded pixels to red; "
+          f"images in {out_dir}")
+    means, errors, chosen, grids = [], [], [], {}
+    start = time.perf_counter()
     for step in _progress(range(steps), "GRPO steps"):
-        metrics = trainer.step(conditions, torch.Generator().manual_seed(100 + step))
-        rewards.append(metrics["reward_mean"])
+        # Fresh seeds each step; the last replays the first one's (same noise, trained policy).
+        seed = 100 if step == steps - 1 else 100 + step
+        metrics = trainer.step(conditions, torch.Generator().manual_seed(seed))
+        means.append(metrics["reward_mean"])
+        errors.append(metrics["reward_std"] / math.sqrt(samples))
         chosen.append(metrics["schedule"])
         with torch.no_grad():
             final = trainer.last_rollout.latents[:, -1]
-            _grid(decode_latents(vae, policy.to_vae_latents(final)), out_dir / f"step{step}.png")
-        print(f"step {step}: reward {metrics['reward_mean']:+.4f} +- {metrics['reward_std']:.4f}"
-              f"  schedule {metrics['schedule']}  grad norm {metrics['grad_norm']:.3e}  "
+            grid = _grid(decode_latents(vae, policy.to_vae_latents(final)), columns=group_size)
+        grid.save(out_dir / f"step{step + 1}.png")
+        if step in (0, steps - 1):
+            grids[step] = grid
+        print(f"step {step + 1}: reward {means[-1]:+.4f} +- {errors[-1]:.4f} (SE)  "
+              f"schedule {metrics['schedule']}  grad norm {metrics['grad_norm']:.3e}  "
               f"rollout {metrics['rollout_s']:.2f} s  update {metrics['update_s']:.2f} s")
-    if _plot(rewards, out_dir / "reward_curve.png"):
+    train_s = time.perf_counter() - start
+
+    rise = means[-1] - means[0]
+    rise_se = rise / errors[0] if errors[0] > 0 else math.inf
+    risen = rise_se > 5
+    print(f"start (step 1):  mean reward {means[0]:+.4f} +- {errors[0]:.4f} (SE, {samples} "
+          f"samples)")
+    print(f"end (step {steps}): mean reward {means[-1]:+.4f} +- {errors[-1]:.4f} (SE, same seeds "
+          "as step 1)")
+    print(f"rise {rise:+.4f} = {rise_se:.1f} SE of the start; more than 5 SE: "
+          f"{'yes' if risen else 'NO'}  ({steps} steps in {train_s:.0f} s)")
+    _side_by_side([(f"step 1: mean reward {means[0]:+.3f} +- {errors[0]:.3f}", grids[0]),
+                   (f"step {steps}: mean reward {means[-1]:+.3f} +- {errors[-1]:.3f}",
+                    grids[steps - 1])], out_dir / "first_vs_last.png")
+    print(f"first vs last step (rows: prompts, columns: group samples): "
+          f"{out_dir / 'first_vs_last.png'}")
+    if _plot(means, errors, means[0] + 5 * errors[0], out_dir / "reward_curve.png"):
         print(f"reward curve: {out_dir / 'reward_curve.png'}")
 
     used = chosen[-1]
@@ -135,4 +253,5 @@ def main(*, out: str = "leancompile-out", steps: int = 4) -> int:
     ok = agreement["retain"][1] <= 1e-6 and agreement["reweight"][1] <= 1e-5
     print("gradients agree with recompute (retain rel L2 <= 1e-6, reweight <= 1e-5):",
           "yes" if ok else "NO")
-    return 0 if ok else 1
+    print(f"mean reward rose by more than 5 SE of step 1's mean: {'yes' if risen else 'NO'}")
+    return 0 if ok and risen else 1

@@ -24,9 +24,10 @@ sd3_sde_with_logprob.py``, ``sde_type="sde"`` and ``"cps"``) and DanceGRPO (``fl
 ``dance_grpo``
     ``x0 = x - s*v``, ``score = -(x - x0*(1-s))/s^2``,
     ``mu = x + ds*v + (-eta^2/2*score)*ds`` with ``ds = s' - s``, std ``eta*sqrt(s - s')``,
-    Gaussian log-prob. (DanceGRPO's own code drops ``-log(std) - log(sqrt(2 pi))`` by accident:
-    the line that subtracts them is a separate expression statement. Those terms do not depend
-    on the weights, so ratios and gradients are the same; our values include them.)
+    Gaussian log-prob, constants included. (DanceGRPO's code before its 2025-08 fix left out
+    ``-log(std) - log(sqrt(2 pi))``: the line subtracting them was a separate expression
+    statement; its current code keeps them, as we do. They do not depend on the weights, so
+    ratios and gradients were the same either way.)
 
 Why the noise is an argument: drawing it here would put a random op in every traced step, and
 the LeanGRPO schedules need the rollout and a later re-score to see the same transition. The

@@ -29,7 +29,8 @@ import torch.nn as nn
 from ..capture import RandomOpInGraphError
 from ..options import CompileOptions
 from ..passes.lean_grpo import (SCHEDULES, SchedulePlan, ScheduleReport, StepCosts,
-                                build_schedule_plans, choose_schedule, graph_flops)
+                                build_schedule_plans, choose_schedule, graph_flops,
+                                reweight_rows_per_backward)
 from ..step import LeanStep, StepConfig, free_memory_bytes
 from .advantages import AdvantageConfig, group_advantages, group_ids_for
 from .rewards import check_rewards
@@ -97,8 +98,12 @@ class GRPOConfig:
             raise ValueError(f"schedule={self.schedule!r}; use one of {SCHEDULES + ('auto',)}")
         if self.sde not in SDE_KINDS:
             raise ValueError(f"sde={self.sde!r}; use one of {SDE_KINDS}")
-        if self.eta < 0:
-            raise ValueError(f"eta={self.eta} must be >= 0")
+        if self.eta <= 0:
+            raise ValueError(
+                f"eta={self.eta}: GRPO trains the log-prob of a stochastic transition, and with "
+                "eta == 0 the SDE is the deterministic Euler step (a point mass, log-prob 0, no "
+                "policy gradient). Use eta > 0 (FlowGRPO 0.7, 0.9 for FLUX; DanceGRPO 0.3); "
+                "sample deterministically outside the trainer with leancompile.grpo.sde_step")
         if self.group_size < 2:
             raise ValueError(f"group_size={self.group_size}: advantages need at least 2 "
                              "samples per prompt")
@@ -156,6 +161,10 @@ class GradResult:
     kl: float
     rollout_seconds: float
     update_seconds: float
+    ratio_error: float | None = None
+    """max |ratio - 1| over the update's on-policy rows (0 exactly when the update reused the
+    rollout's forward: retain, reweight); None when none was on-policy (later chunks, or the
+    parameters changed)."""
 
 
 class _Velocity(nn.Module):
@@ -208,6 +217,7 @@ class GRPOTrainer:
         self._velocity = _Velocity(policy)
         self._reference = self._make_reference() if config.beta > 0 else None
         self._steps: dict = {}
+        self._cost_cache: dict = {}
         self.last_rollout: Rollout | None = None
 
     # -- set-up -------------------------------------------------------------------------------
@@ -285,6 +295,20 @@ class GRPOTrainer:
                                "break); the trainer plans from one")
         return graphs[0]
 
+    def _costs(self, graph, num_rows: int) -> StepCosts:
+        """The graphs' per-call costs for ``num_rows`` rows (FLOPs counted once per graph and
+        batch size: counting runs the graphs on fake tensors, which costs more than a small
+        model's step)."""
+        key = (id(graph), num_rows)
+        if key not in self._cost_cache:
+            symbol = graph.batch_symbol
+            self._cost_cache[key] = (graph, StepCosts(
+                saved_bytes=graph.kept_bytes(num_rows),
+                forward_flops=graph_flops(graph.forward, symbol, num_rows),
+                backward_flops=graph_flops(graph.backward, symbol, num_rows),
+                inference_flops=graph_flops(graph.inference, symbol, num_rows)))
+        return self._cost_cache[key][1]
+
     def _plans(self, keys, example, mask, schedule):
         """Plan the three schedules from the step's graphs, pick one (auto, with smaller
         partitioner budgets for retain when it does not fit)."""
@@ -296,19 +320,20 @@ class GRPOTrainer:
 
         def plans_for(partitioner_budget):
             graph = self._graphs(self.lean_step(keys, partitioner_budget), example)
-            symbol = graph.batch_symbol
-            costs = StepCosts(
-                saved_bytes=graph.kept_bytes(num_rows),
-                forward_flops=graph_flops(graph.forward, symbol, num_rows),
-                backward_flops=graph_flops(graph.backward, symbol, num_rows),
-                inference_flops=graph_flops(graph.inference, symbol, num_rows))
+            costs = self._costs(graph, num_rows)
+            call_bytes = max(graph.kept_bytes(n) for n in rows_per_step)
+            buffers = (samples_in_flight + (cfg.beta > 0)) * self._grad_bytes()
+            rows = reweight_rows_per_backward(
+                rows=max(rows_per_step), grad_bytes=self._grad_bytes(),
+                row_saved_bytes=graph.kept_bytes(1),
+                room_bytes=budget_bytes - buffers - call_bytes)
             return build_schedule_plans(
                 costs=costs, selected_calls=len(rows_per_step), total_calls=num_steps,
                 retain_bytes=sum(graph.kept_bytes(n) for n in rows_per_step),
-                reweight_call_bytes=max(graph.kept_bytes(n) for n in rows_per_step),
+                reweight_call_bytes=call_bytes,
                 samples_in_flight=samples_in_flight, grad_bytes=self._grad_bytes(),
                 with_kl=cfg.beta > 0, memory_budget_bytes=budget_bytes,
-                partitioner_budget=partitioner_budget), graph
+                partitioner_budget=partitioner_budget, reweight_rows=rows), graph
 
         plans, graph = plans_for(None)
         if graph.random_ops and schedule != "recompute":
@@ -419,12 +444,12 @@ class GRPOTrainer:
         ``chunks > 1`` splits each sample's selected steps into that many chunks; only the first
         goes through the schedule (``pending.update(chunk=c)`` recomputes chunk ``c``)."""
         cfg = self.config
+        start = time.perf_counter()  # planning counts: a user's step pays for it
         st = self._setup(conditions, generator, schedule=schedule, chunks=chunks)
         st.lean.reset_stats()
         pending = PendingUpdate(trainer=self, setup=st, versions=self._versions())
         adv_config = AdvantageConfig(global_std=cfg.global_std, adv_clip_max=cfg.adv_clip_max)
         group_ids = group_ids_for(st.num_prompts, cfg.group_size)
-        start = time.perf_counter()
         rewards = torch.zeros(st.batch)
         advantages = torch.zeros(st.batch)
         trajectory = torch.empty((st.batch, st.noise.shape[0] + 1) + tuple(st.latents0.shape[1:]))
@@ -471,6 +496,8 @@ class GRPOTrainer:
         schedules, norms, update_s, kls = [], [], 0.0, []
         for chunk in range(chunks):
             result = pending.update(chunk=chunk)
+            if chunk == 0:
+                metrics["ratio_error"] = result.ratio_error
             norms.append(self._apply(result.grads))
             schedules.append(result.schedule)
             update_s += result.update_seconds
@@ -517,6 +544,7 @@ class PendingUpdate:
         self._stash: dict = {}
         self.rollout_grads: dict | None = None
         self._retained = self._buffered = 0
+        self._ratio_error: float | None = None
 
     # -- gradients live in .grad while the trainer computes them ------------------------------
     def stash_grads(self) -> None:
@@ -577,10 +605,12 @@ class PendingUpdate:
         self._buffered = max(self._buffered, stats.peak_buffer_bytes)
         return torch.stack(trajectory, dim=1), log_probs
 
-    def train(self, rows, advantages, trajectory, log_probs, *, chunk: int) -> None:
+    def train(self, rows, advantages, trajectory, log_probs, *, chunk: int,
+              on_policy: bool = True) -> None:
         """The update of ``rows`` for chunk ``chunk`` of the selected steps: each step's
         selected rows called again (same inputs) under ``update()``, the PPO loss (+ KL)
-        backpropagated into ``.grad``."""
+        backpropagated into ``.grad``. ``on_policy``: the parameters are the rollout's, so the
+        ratio should be 1: its largest deviation is recorded (``ratio_error``)."""
         st, trainer, cfg = self.setup, self.trainer, self.trainer.config
         lean = st.lean
         steps = self.chunk_steps[chunk]
@@ -601,6 +631,9 @@ class PendingUpdate:
                         trainer._reference_mean(args, st.keys, st.noise[k][glob])
                 out = lean(*args, prev_sample=trajectory[glob, k + 1])
                 ratio = torch.exp(out[1] - log_probs[glob, k])
+                if on_policy:
+                    error = (ratio.detach() - 1).abs().max().item()
+                    self._ratio_error = max(self._ratio_error or 0.0, error)
                 adv = advantages[glob].float()
                 clipped = torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
                 loss = torch.maximum(-adv * ratio, -adv * clipped).sum() / norm
@@ -638,8 +671,9 @@ class PendingUpdate:
             else:
                 if chunk > 0 or stale:
                     self._kl.clear()
+                    self._ratio_error = None
                 self.train(rows, record.advantages, record.latents, record.log_probs,
-                           chunk=chunk)
+                           chunk=chunk, on_policy=chunk == 0 and not stale)
                 grads = self.collect()
         finally:
             self.restore_grads()
@@ -648,8 +682,9 @@ class PendingUpdate:
         used = self.schedule if reused and self.schedule != "recompute" else "recompute"
         kl = torch.cat(self._kl).mean().item() if self._kl else 0.0
         self._kl.clear()
+        ratio_error, self._ratio_error = self._ratio_error, None
         return GradResult(grads=grads, rollout=record, schedule=used, reason=self.reason,
                           plans=self.plans, retained_bytes=self._retained if used != "recompute"
                           else 0, buffer_bytes=self._buffered if used != "recompute" else 0,
                           kl=kl, rollout_seconds=self.rollout_seconds,
-                          update_seconds=time.perf_counter() - start)
+                          update_seconds=time.perf_counter() - start, ratio_error=ratio_error)

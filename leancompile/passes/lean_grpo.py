@@ -36,12 +36,12 @@ import torch
 from .result import PassResult
 
 __all__ = ["PlanOp", "SchedulePlan", "StepCosts", "ScheduleReport", "build_schedule_plans",
-           "choose_schedule", "graph_flops", "lean_grpo_pass", "SCHEDULES", "VERSION", "NAME"]
+           "choose_schedule", "reweight_rows_per_backward", "graph_flops", "lean_grpo_pass", "SCHEDULES", "VERSION", "NAME"]
 
 log = logging.getLogger("leancompile")
 
 NAME = "lean_grpo"
-VERSION = 2
+VERSION = 3
 SCHEDULES = ("recompute", "retain", "reweight")
 SITE = "kept for reuse"
 
@@ -204,10 +204,25 @@ def graph_flops(gm, batch_symbol, batch: int) -> int:
     return counter.get_total_flops()
 
 
+def reweight_rows_per_backward(*, rows: int, grad_bytes: int, row_saved_bytes: int,
+                               room_bytes: int, requested: int | None = None) -> int:
+    """Reweight's per-row gradients come from one vectorised backward (``torch.func.vmap`` of
+    the batch-1 backward graph over the rows): how many of a call's ``rows`` one backward
+    takes. ``requested`` when given; else as many as ``room_bytes`` holds, each row costing its
+    parameter gradients (``grad_bytes``) and its share of the backward's working memory (taken
+    as twice what one row saves for the backward). LoRA: small gradients, all rows at once;
+    full fine-tuning: fewer rows per backward."""
+    if requested is not None:
+        return max(1, min(rows, requested))
+    per_row = grad_bytes + 2 * row_saved_bytes
+    return max(1, min(rows, room_bytes // max(per_row, 1)))
+
+
 def build_schedule_plans(*, costs: StepCosts, selected_calls: int, total_calls: int,
                          retain_bytes: int, reweight_call_bytes: int, samples_in_flight: int,
                          grad_bytes: int, with_kl: bool, memory_budget_bytes: int,
-                         partitioner_budget: float | None = None) -> dict[str, SchedulePlan]:
+                         partitioner_budget: float | None = None,
+                         reweight_rows: int = 1) -> dict[str, SchedulePlan]:
     """The three schedules for one rollout.
 
     ``costs``: per-call costs of the graphs for the full batch. ``selected_calls`` /
@@ -216,6 +231,9 @@ def build_schedule_plans(*, costs: StepCosts, selected_calls: int, total_calls: 
     selected calls from the graphs' metadata. ``reweight_call_bytes``: activations of one
     per-sample call (freed after its backward). ``samples_in_flight``: samples whose gradient
     buffers Reweight holds at once. ``grad_bytes``: one trainable-parameter gradient.
+    ``reweight_rows``: rows per vectorised backward (``reweight_rows_per_backward``); their
+    per-row gradients exist together until added into the sample buffers, so the peak counts
+    the least of them (one row), the most that fit being taken at run time.
     """
     unselected_calls = total_calls - selected_calls
     f_i, f, b = costs.inference_flops, costs.forward_flops, costs.backward_flops
@@ -245,15 +263,19 @@ def build_schedule_plans(*, costs: StepCosts, selected_calls: int, total_calls: 
             name="reweight", selected_calls=selected_calls, total_calls=total_calls,
             ops=[PlanOp(phase="rollout", op="forward_save", applies_to="selected"),
                  PlanOp(phase="rollout", op="backward_now", applies_to="selected",
-                        cotangent="-1/(B*|S|)", target="G_i"),
+                        cotangent=f"one-hot per row, vmapped over {reweight_rows} row(s)",
+                        target="G_i"),
                  PlanOp(phase="rollout", op="forward_infer", applies_to="unselected"),
                  PlanOp(phase="update", op="scale_buffer", applies_to="all",
                         cotangent="grad += A_i * G_i", target="grad"),
                  PlanOp(phase="update", op="sync", applies_to="all")],
-            peak_bytes=(samples_in_flight + (1 if with_kl else 0)) * grad_bytes
+            # The rows per backward adapt to the room left (one at the least).
+            peak_bytes=(samples_in_flight + (1 if with_kl else 0) + 1) * grad_bytes
             + reweight_call_bytes,
             flops=unselected_calls * f_i + selected_calls * (f + b * (2 if with_kl else 1)),
-            note=f"one gradient buffer per sample in flight ({samples_in_flight})" + kl_note),
+            note=f"one gradient buffer per sample in flight ({samples_in_flight}); per-row "
+                 f"gradients from one vectorised backward of up to {reweight_rows} row(s) "
+                 "(torch.func.vmap of the batch-1 backward)" + kl_note),
     }
     for plan in plans.values():
         plan.fits = plan.peak_bytes <= memory_budget_bytes
