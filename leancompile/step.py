@@ -194,7 +194,8 @@ class StepReport:
                 f"only whole kept calls serve an update call ({g['reason']})"))
             lines.append("  reweight: " + (
                 f"one gradient per row of outputs {g['scalars']} "
-                f"({g['grad_bytes'] / mib:.2f} MiB each; per sample with samples=)"
+                f"({g['grad_bytes'] / mib:.2f} MiB each; per sample with samples=), "
+                f"{g['rows_per_backward']} row(s) per vectorised backward"
                 if g["scalars"] else "no per-row scalar output (wrap the whole step)"))
             if g["random_ops"]:
                 lines.append(f"  draws random numbers ({', '.join(g['random_ops'][:2])}): only "
@@ -1325,6 +1326,10 @@ class LeanStep:
                 "reason": g.layouts.get("reason") or "the LeanGRPO stage found no batch",
                 "scalars": [j for j in g.differentiable if _numel_per_row(g, j, batch) == 1],
                 "grad_bytes": grad_bytes, "params": len(params),
+                "rows_per_backward": reweight_rows_per_backward(
+                    rows=batch, grad_bytes=grad_bytes, requested=self.config.reweight_rows,
+                    row_saved_bytes=g.kept_bytes(1) if g.forward is not None else 0,
+                    room_bytes=budget) if g.layouts.get("row_local") else 1,
                 "random_ops": g.random_ops})
         return StepReport(schedule=self.config.schedule, batch=batch, budget_bytes=budget,
                           graphs=rows, reports=[g.report for g in graphs if g.report])

@@ -266,3 +266,24 @@ def test_loop_bench_reports_ratios_reuse_and_regroup_cost():
     assert report["variants"]["lean regrouped"]["gathered_mib"] > 0
     text = format_table(report)
     assert "ideal ratio" in text and "regrouped rows" in text
+
+
+def test_explain_a_step_shows_what_each_schedule_keeps(flux):
+    """``leancompile.explain(step, *args)``: per graph, retain's kept bytes, whether regrouped
+    rows are gathered, reweight's per-row gradients and rows per vectorised backward, and the
+    pipeline's report with its ``lean_grpo`` stage."""
+    torch._dynamo.reset()
+    policy = copy.deepcopy(flux)
+    config = dataclasses.replace(FLOW, level="step")
+    step = leancompile.lean_compile(make_step(policy, config), backend="aot_eager",
+                                    schedule="reweight", sample_output=0,
+                                    sample_arg="prev_sample", reweight_rows=3)
+    conditions = policy.example_conditions(4, torch.Generator().manual_seed(1),
+                                           sequence_length=8)
+    latents = policy.initial_latents(4, torch.Generator().manual_seed(0)).float()
+    k = torch.full((4,), 1, dtype=torch.long)
+    report = leancompile.explain(step, latents, k, conditions, noise=torch.randn_like(latents))
+    text = str(report)
+    assert "retain keeps" in text and "gathered row by row" in text, text
+    assert "3 row(s) per vectorised backward" in text, text
+    assert "lean_grpo" in text, text
