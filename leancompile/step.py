@@ -711,9 +711,7 @@ class _GraphRuntime:
         for k in g.bw_saved:
             layout = layouts[k]
             if layout == "symint":
-                expr = g.saved_meta[k]
-                value = expr.node.expr.subs(symbols) if isinstance(expr, torch.SymInt) else expr
-                fixed.append(int(value))
+                fixed.append(_saved_size(g, k, symbols))
             elif layout is None:
                 fixed.append(kept.saved[k])
             else:
@@ -769,9 +767,7 @@ class _GraphRuntime:
         for k in g.bw_saved:
             layout = layouts[k]
             if layout == "symint":
-                expr = g.saved_meta[k]
-                value = expr.node.expr.subs(symbols) if isinstance(expr, torch.SymInt) else expr
-                values.append(int(value))
+                values.append(_saved_size(g, k, symbols))
             elif layout is None:
                 values.append(first.saved[k])
             else:
@@ -1052,6 +1048,12 @@ def _rows_of(c, layouts, j, batch, rows):
     if layout is None or layout == "symint" or rows == list(range(batch)):
         return c
     return gather_rows([(c, batch, rows)], layout.outer, layout.inner)
+
+
+def _saved_size(g: StepGraphs, k: int, symbols: dict) -> int:
+    """Saved value ``k`` (a size) for the sizes ``symbols`` (symbol -> int)."""
+    expr = g.saved_meta[k]
+    return int(expr.node.expr.subs(symbols) if isinstance(expr, torch.SymInt) else expr)
 
 
 _SLICES = {torch.ops.aten.slice.Tensor: 3, torch.ops.aten.slice_scatter.default: 4}
