@@ -514,7 +514,7 @@ class _GraphRuntime:
 
     # -- rollout ---------------------------------------------------------------------------
     def _rollout(self, args, train_rows: list[int], grad: bool):
-        step, state, g = self.step, self.step._state, self.g
+        state, g = self.step._state, self.g
         if grad:
             raise ValueError("the rollout's trained calls must run under torch.no_grad() (their "
                              "outputs carry no autograd graph: the update gets the gradients)")
@@ -566,7 +566,7 @@ class _GraphRuntime:
                 and outputs[j].dim() >= 1 and outputs[j].shape[0] == batch]
 
     def _choose(self, args, batch, rows) -> tuple[str | None, str]:
-        step, state, g = self.step, self.step._state, self.g
+        state, g = self.step._state, self.g
         schedule = state.schedule
         if schedule == "recompute":
             return None, "nothing (schedule='recompute')"
@@ -788,7 +788,7 @@ class _GraphRuntime:
 
     # -- update ------------------------------------------------------------------------------
     def _update(self, args):
-        state, g = self.step._state, self.g
+        state = self.step._state
         state.stats.update_calls += 1
         assignment, reason = self._match(args)
         if assignment is None:

@@ -14,7 +14,6 @@ log-prob in float32 (as FlowGRPO and DanceGRPO upcast), one prompt x 4 samples.
 """
 
 import copy
-import dataclasses
 
 import pytest
 import torch

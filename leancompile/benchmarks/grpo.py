@@ -42,6 +42,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from .timing import ideal_ratio, step_times
+
 __all__ = ["BenchConfig", "EagerResult", "eager_flow_grpo_gradients", "run_grpo_bench",
            "format_table", "main"]
 
@@ -124,16 +126,6 @@ def build_policy(config: BenchConfig):
     return WanPolicy(transformer, num_inference_steps=config.steps, height=config.latent * 8,
                      width=config.latent * 8, num_frames=config.frames, guidance_scale=5.0,
                      flow_shift=3.0)
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def mean_latent_reward(latents, conditions):
@@ -284,20 +276,8 @@ def _step_times(trainer, policy, conditions, config: BenchConfig, gen) -> dict:
     cond = [conditions[k].repeat_interleave(config.group_size, 0) for k in keys]
     args = [latents, torch.full((batch,), 1, dtype=torch.long)] + cond
     noise = torch.randn_like(latents)
-    with torch.no_grad():
-        f0 = _median_seconds(lambda: lean(*args, noise=noise), 5)
-    f = _median_seconds(lambda: lean(*args, noise=noise), 5)
-
-    def backward():
-        out = lean(*args, noise=noise)
-        start = time.perf_counter()
-        out[1].sum().backward()
-        return time.perf_counter() - start
-
-    b = statistics.median(backward() for _ in range(5))
-    for p in policy.parameters():
-        p.grad = None
-    return {"forward_nograd_s": f0, "forward_s": f, "backward_s": b}
+    return step_times(lambda: lean(*args, noise=noise), lambda out: out[1].sum(),
+                      policy.parameters())
 
 
 def _best_lean(results: dict) -> dict:
@@ -379,10 +359,8 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
         else grpo_config.timestep_fraction).num_selected(num_steps)
     by_compiler = {}
     for compiler in config.compilers:
-        step_times = _step_times(trainers[compiler], policy, conditions, config, gen)
-        f0, fb = step_times["forward_nograd_s"], step_times["forward_s"] + step_times["backward_s"]
-        ideal = (num_steps * f0 + num_selected * fb) / (
-            (num_steps - num_selected) * f0 + num_selected * fb)
+        model_times = _step_times(trainers[compiler], policy, conditions, config, gen)
+        ideal = ideal_ratio(model_times, num_steps, num_selected)
         base = entries[(compiler, "recompute")]
         reference = grads[(compiler, "recompute")]
         results = {}
@@ -402,7 +380,7 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
             entry["grad_cosine_to_eager"], entry["grad_rel_l2_to_eager"] = _agreement(
                 grads[(compiler, schedule)], eager_grad)
             results[schedule] = entry
-        by_compiler[compiler] = {"step_times": step_times, "ideal_ratio": ideal,
+        by_compiler[compiler] = {"step_times": model_times, "ideal_ratio": ideal,
                                  **_best_lean(results), "schedules": results}
 
     # The eager row, against the first compiler's recompute.

@@ -25,17 +25,9 @@ import time
 
 import torch
 
+from .timing import ideal_ratio, step_times
+
 __all__ = ["run_loop_bench", "main"]
-
-
-def _time(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run_loop_bench(*, rounds: int = 3, steps: int = 6, layers: int = 2, hidden: int = 256,
@@ -84,25 +76,14 @@ def run_loop_bench(*, rounds: int = 3, steps: int = 6, layers: int = 2, hidden: 
     x = policy.initial_latents(4, gen).float()
     cond = policy.example_conditions(4, gen)
     k = torch.full((4,), 1, dtype=torch.long)
-    with torch.no_grad():
-        f0 = _time(lambda: lean(x, k, cond))
-    f = _time(lambda: lean(x, k, cond))
-
-    def backward():
-        out = lean(x, k, cond)
-        start = time.perf_counter()
-        out.square().mean().backward()
-        return time.perf_counter() - start
-    backward()
-    b = statistics.median(backward() for _ in range(5))
-    policy.zero_grad(set_to_none=True)
-    trained = steps  # timestep_fraction=1.0
-    ideal = (steps * f0 + trained * (f + b)) / ((steps - trained) * f0 + trained * (f + b))
+    model_times = step_times(lambda: lean(x, k, cond), lambda out: out.square().mean(),
+                             policy.parameters())
+    ideal = ideal_ratio(model_times, steps, steps)  # timestep_fraction=1.0: every step trained
 
     out = {"config": {"rounds": rounds, "steps": steps, "layers": layers, "hidden": hidden,
                       "latent": latent, "compiler": compiler, "samples": 4,
                       "threads": torch.get_num_threads()},
-           "step_times": {"forward_nograd_s": f0, "forward_s": f, "backward_s": b},
+           "step_times": model_times,
            "ideal_ratio": ideal, "variants": {}}
     for name, done in times.items():
         entry = {"seconds_min": min(done), "seconds_median": statistics.median(done)}

@@ -1,0 +1,54 @@
+"""What the LeanGRPO benchmarks time the same way: one step's forward without grad (``F0``),
+with grad (``F``) and its backward (``B``), and the ideal ratio they give.
+
+With ``T`` denoising steps of which ``S`` are trained, recompute runs ``T*F0 + S*(F + B)`` and
+a schedule that reuses the rollout's forward ``(T - S)*F0 + S*(F + B)``; their quotient is the
+most a schedule can gain (``ideal_ratio``)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+__all__ = ["median_seconds", "step_times", "ideal_ratio"]
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
+    """The median of ``repeats`` timed calls of ``fn``, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def step_times(call: Callable[[], object], loss: Callable[[object], torch.Tensor],
+               params, repeats: int = 5) -> dict:
+    """``F0``, ``F`` and ``B`` (medians) of ``call()``, the backward of ``loss(call())``;
+    ``params``' gradients are cleared afterwards."""
+    with torch.no_grad():
+        f0 = median_seconds(call, repeats)
+    f = median_seconds(call, repeats)
+
+    def backward():
+        out = call()
+        start = time.perf_counter()
+        loss(out).backward()
+        return time.perf_counter() - start
+
+    backward()
+    b = statistics.median(backward() for _ in range(repeats))
+    for p in params:
+        p.grad = None
+    return {"forward_nograd_s": f0, "forward_s": f, "backward_s": b}
+
+
+def ideal_ratio(times: dict, steps: int, trained: int) -> float:
+    """Recompute's model time over a reusing schedule's, for ``trained`` of ``steps``."""
+    f0, fb = times["forward_nograd_s"], times["forward_s"] + times["backward_s"]
+    return (steps * f0 + trained * fb) / ((steps - trained) * f0 + trained * fb)
