@@ -1211,7 +1211,8 @@ class LeanStep:
         return out
 
     @contextlib.contextmanager
-    def rollout(self, train=None, *, samples=None, schedule: str | None = None):
+    def rollout(self, train=None, *, samples=None, schedule: str | None = None,
+                budget_bytes: int | None = None):
         """The sampling loop: calls chosen by ``train`` keep what the schedule needs (see
         ``_Train`` for the forms ``train`` takes; default: every call, every row). Starting a
         rollout frees what an earlier one kept.
@@ -1221,7 +1222,9 @@ class LeanStep:
         reweight keeps one gradient buffer per sample (the sum over its trained steps) instead
         of one per row, and requires the update to bring the same cotangent to every trained
         step of a sample (on-policy: ``-A_i / (B |S|)``); an optimizer step before all of a
-        sample's steps arrived raises. ``schedule`` overrides the wrapper's for this rollout."""
+        sample's steps arrived raises. ``schedule`` overrides the wrapper's for this rollout,
+        ``budget_bytes`` its memory budget (what ``auto`` and reweight's rows per backward go
+        by)."""
         state = self._state
         if state.phase is not None:
             raise RuntimeError(f"rollout() inside {state.phase}(): the phases do not nest")
@@ -1233,7 +1236,9 @@ class LeanStep:
         state.train = _Train(train)
         state.call_index = 0
         state.phase = "rollout"
-        if self.config.memory_budget_bytes is not None:
+        if budget_bytes is not None:
+            state.budget = budget_bytes
+        elif self.config.memory_budget_bytes is not None:
             state.budget = self.config.memory_budget_bytes
         else:
             device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -579,7 +579,7 @@ class PendingUpdate:
         flags, samples = [], []
         split = st.schedule != "recompute"
         with lean.rollout(train=lambda i: flags[i], samples=lambda i: samples[i],
-                          schedule=st.schedule), torch.no_grad():
+                          schedule=st.schedule, budget_bytes=st.budget_bytes), torch.no_grad():
             for k in range(num_steps):
                 x_next = torch.empty_like(x)
                 sel = st.mask[rows, k]
