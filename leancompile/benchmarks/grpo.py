@@ -159,15 +159,16 @@ def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Ten
     .compute_gradients(conditions, generator)`` computes, by FlowGRPO's loop.
 
     ``config`` is the trainer's ``GRPOConfig`` (``sde``, ``eta``, ``group_size``, timestep
-    selection, clipping; ``beta`` must be 0). The draws from ``generator`` are the trainer's, in
-    its order: the trained steps, the initial latents, then all SDE noise ``[T, B, ...]``; so
-    with the same generator state both see the same trajectory noise. Gradients accumulate in
+    selection, clipping; ``beta`` must be 0). The draws from ``generator`` are the trainer's (a
+    base seed, then per-sample generators: ``leancompile.grpo.layout.draw_samples``); so with
+    the same generator state both see the same trajectory noise. Gradients accumulate in
     ``.grad`` (which must be empty on entry) and are handed back, leaving ``.grad`` empty.
     """
     from ..grpo.advantages import AdvantageConfig, group_advantages, group_ids_for
     from ..grpo.rewards import check_rewards
     from ..grpo.sde import sde_step
-    from ..grpo.timesteps import TimestepSelection, same_noise_latents, select_timesteps
+    from ..grpo.layout import draw_samples
+    from ..grpo.timesteps import TimestepSelection
 
     if config.beta > 0:
         raise ValueError("the eager FlowGRPO row has no KL term; use beta=0")
@@ -181,19 +182,14 @@ def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Ten
     sigmas = policy.sigmas
     num_steps = len(sigmas) - 1
 
-    # The same draws as the trainer, in its order.
-    selected = select_timesteps(
-        TimestepSelection(strategy=config.strategy, fraction=None if config.strategy == "window"
-                          else config.timestep_fraction),
-        batch=batch, num_steps=num_steps, generator=generator)
-    if config.init_same_noise:
-        latents = same_noise_latents(policy.initial_latents(num_prompts, generator),
-                                     config.group_size)
-    else:
-        latents = policy.initial_latents(batch, generator)
-    latents = latents.float()
-    noise = torch.randn((num_steps,) + tuple(latents.shape), generator=generator,
-                        dtype=torch.float32, device=latents.device)
+    # The same draws as the trainer: one base seed from the generator, then each sample's own
+    # generator (trained steps, initial latent, SDE noise).
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+    draws = draw_samples(policy, selection=TimestepSelection(
+        strategy=config.strategy, fraction=None if config.strategy == "window"
+        else config.timestep_fraction), num_prompts=num_prompts, group_size=config.group_size,
+        num_steps=num_steps, seed=seed, init_same_noise=config.init_same_noise)
+    selected, latents, noise = draws.selected, draws.latents0, draws.noise
     sigmas = sigmas.to(latents.device)
 
     def transition(x, step, **sample):

@@ -48,7 +48,11 @@ def _layer(world, seq, dim, hidden):
 
 
 def _worker(rank, world, init, out, cfg):
+    import faulthandler
+
     import leancompile
+
+    faulthandler.enable()  # a crash in a rank prints where it was (see the test's note)
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -96,6 +100,7 @@ def _worker(rank, world, init, out, cfg):
         with open(out, "w") as f:
             json.dump({"config": {**cfg, "nproc": world, "backend": "gloo", "device": "cpu",
                                   "compiler": "aot_eager"}, "schemes": results}, f)
+    dist.barrier()  # tear the process group down together
     dist.destroy_process_group()
 
 

@@ -20,11 +20,18 @@ reward then has nothing visible to learn. The convolution + ReLU decoder of ``Au
 passes colour through; ``_tiny_vae`` sets its output bias so that decoded Gaussian latents are
 mid-grey on average, so the untrained policy draws near-grey noise and the colour comes from
 training. torch runs on one thread during the demo (see ``main``).
+
+Under ``torchrun --nproc-per-node N`` (the environment names ``WORLD_SIZE > 1``) the demo joins
+the process group (gloo on CPU, NCCL when CUDA is available), trains with
+``parallel="ddp"`` and the shared-prompt layout, and only rank 0 prints and writes images; the
+seeds and the numbers match one process up to summation order.
 """
 
 from __future__ import annotations
 
+import builtins
 import math
+import os
 import time
 from pathlib import Path
 
@@ -36,7 +43,9 @@ TARGET = (1.0, 0.0, 0.0)
 """The colour the reward prefers (red)."""
 
 
-def _progress(iterable, desc):
+def _progress(iterable, desc, *, quiet=False):
+    if quiet:
+        return iterable
     try:
         from tqdm.auto import tqdm
 
@@ -156,19 +165,47 @@ def main(*, out: str = "leancompile-out", steps: int = 20, prompts: int = 4,
     them). This model's ops are too small to gain from threads, and on a shared machine
     OpenMP's barriers between busy threads made a step 10-40x slower (2 threads, 2 cores).
     """
+    import torch.distributed as dist
+
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    joined = False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        joined = True
     try:
         return _run(out=out, steps=steps, prompts=prompts, group_size=group_size, lr=lr,
                     num_inference_steps=num_inference_steps)
     finally:
         torch.set_num_threads(previous)
+        if joined:
+            dist.destroy_process_group()
+
+
+def _final_latents(trainer) -> torch.Tensor:
+    """The last rollout's final latents, every row (data parallel: gathered from the ranks)."""
+    rollout = trainer.last_rollout
+    final = rollout.latents[:, -1]
+    if rollout.rows is None:
+        return final
+    owned = torch.zeros(final.shape[0], dtype=torch.bool)
+    owned[rollout.rows] = True
+    return trainer.parallel.gather_rows(final, owned)
 
 
 def _run(*, out, steps, prompts, group_size, lr, num_inference_steps) -> int:
+    import torch.distributed as dist
+
     from ..grpo.rewards import TargetColorReward, decode_latents, decoded
     from ..grpo.trainer import GRPOConfig, GRPOTrainer
+
+    parallel = "ddp" if dist.is_initialized() and dist.get_world_size() > 1 else None
+    quiet = parallel is not None and dist.get_rank() != 0
+
+    def print(*args, **kwargs):  # noqa: A001 - rank 0 speaks for everyone
+        if not quiet:
+            builtins.print(*args, **kwargs)
 
     if steps < 2:
         raise ValueError(f"steps={steps}: the demo compares a first and a last step")
@@ -179,14 +216,17 @@ def _run(*, out, steps, prompts, group_size, lr, num_inference_steps) -> int:
                      to_vae_latents=policy.to_vae_latents)
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=lr)
     config = GRPOConfig(sde="flow_grpo", eta=0.9, group_size=group_size, schedule="auto")
-    trainer = GRPOTrainer(policy, reward, optimizer, config)
+    trainer = GRPOTrainer(policy, reward, optimizer, config, parallel=parallel)
+    if parallel:
+        print(f"data parallel: {dist.get_world_size()} ranks ({dist.get_backend()}), layout "
+              f"{config.layout!r}, one gradient all-reduce per update")
     one_prompt = policy.example_conditions(1, torch.Generator().manual_seed(1),
                                            sequence_length=16)
 
     print("== 1. the three schedules on one rollout (same seeds)")
     print(trainer.explain(one_prompt, torch.Generator().manual_seed(0)))
     results = {}
-    for name in _progress(("recompute", "retain", "reweight"), "capture + warm-up"):
+    for name in _progress(("recompute", "retain", "reweight"), "capture + warm-up", quiet=quiet):
         trainer.compute_gradients(one_prompt, torch.Generator().manual_seed(0), schedule=name)
     for name in ("recompute", "retain", "reweight"):
         results[name] = trainer.compute_gradients(one_prompt, torch.Generator().manual_seed(0),
@@ -206,15 +246,17 @@ def _run(*, out, steps, prompts, group_size, lr, num_inference_steps) -> int:
           f"images in {out_dir}")
     means, errors, chosen, grids = [], [], [], {}
     start = time.perf_counter()
-    for step in _progress(range(steps), "GRPO steps"):
+    for step in _progress(range(steps), "GRPO steps", quiet=quiet):
         # Fresh seeds each step; the last replays the first one's (same noise, trained policy).
         seed = 100 if step == steps - 1 else 100 + step
         metrics = trainer.step(conditions, torch.Generator().manual_seed(seed))
         means.append(metrics["reward_mean"])
         errors.append(metrics["reward_std"] / math.sqrt(samples))
         chosen.append(metrics["schedule"])
+        final = _final_latents(trainer)
+        if quiet:
+            continue
         with torch.no_grad():
-            final = trainer.last_rollout.latents[:, -1]
             grid = _grid(decode_latents(vae, policy.to_vae_latents(final)), columns=group_size)
         grid.save(out_dir / f"step{step + 1}.png")
         if step in (0, steps - 1):
@@ -224,6 +266,8 @@ def _run(*, out, steps, prompts, group_size, lr, num_inference_steps) -> int:
               f"rollout {metrics['rollout_s']:.2f} s  update {metrics['update_s']:.2f} s")
     train_s = time.perf_counter() - start
 
+    if quiet:
+        return 0
     rise = means[-1] - means[0]
     rise_se = rise / errors[0] if errors[0] > 0 else math.inf
     risen = rise_se > 5

@@ -36,7 +36,9 @@ from .advantages import AdvantageConfig, group_advantages, group_ids_for
 from .rewards import check_rewards
 from .sde import SDE_KINDS, sde_step
 from .step import PolicyStep
-from .timesteps import TimestepSelection, same_noise_latents, select_timesteps
+from .layout import LAYOUTS, Unit, assign, draw_samples, row_owner
+from .parallel import DataParallel
+from .timesteps import TimestepSelection
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "GradResult", "Rollout", "PendingUpdate",
            "OffPolicyWarning"]
@@ -92,6 +94,12 @@ class GRPOConfig:
     updates_per_rollout: int = 1
     """Optimizer steps per rollout in ``step``; the selected steps are split in this many
     chunks. Only the first is on-policy; the rest are recomputed."""
+    layout: str = "shared"
+    """Which rank generates which sample under ``parallel="ddp"`` (``leancompile.grpo.layout``):
+    ``shared`` (LeanGRPO: all ranks on one prompt; ``M < R`` makes ``R // M`` worker groups),
+    ``conventional`` (whole prompt groups per rank, as DanceGRPO) or ``scattered`` (group
+    members spread over the ranks, as FlowGRPO). No effect in one process; the gradients do
+    not depend on it."""
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES + ("auto",):
@@ -119,6 +127,8 @@ class GRPOConfig:
             raise ValueError(f"updates_per_rollout={self.updates_per_rollout} must be >= 1")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r}; use one of {LAYOUTS}")
 
     @property
     def strategy(self) -> str:
@@ -143,6 +153,12 @@ class Rollout:
     """One row per sample."""
     noise: torch.Tensor = field(repr=False)
     """``[T, B, ...]`` the SDE noise used."""
+    rows: torch.Tensor | None = None
+    """Data parallel: the rows this rank generated (``latents`` and ``noise`` hold only those;
+    ``log_probs``, ``rewards`` and ``advantages`` hold every row). None: all rows."""
+    seed: int = 0
+    """The step's base seed: sample ``(p, m)`` drew from
+    ``leancompile.grpo.layout.sample_seed(seed, p, m)``."""
 
 
 @dataclass(kw_only=True)
@@ -165,6 +181,11 @@ class GradResult:
     """max |ratio - 1| over the update's on-policy rows (0 exactly when the update reused the
     rollout's forward: retain, reweight); None when none was on-policy (later chunks, or the
     parameters changed)."""
+    sync_collectives: int = 0
+    """Gradient reductions this update issued (data parallel; one flat all-reduce per update
+    and dtype)."""
+    sync_bytes: int = 0
+    """Bytes those reductions carried (per rank)."""
 
 
 class _Velocity(nn.Module):
@@ -199,12 +220,20 @@ class _Setup:
     plans: dict
     partitioner_budget: float | None
     budget_bytes: int
+    seed: int
+    local: torch.Tensor
+    """Rows this rank generates (all rows in one process)."""
+    owned: torch.Tensor
+    """``[B]`` bool: ``local`` as a mask."""
+    units: list
+    """``leancompile.grpo.layout.Unit``: this rank's work, in order."""
 
 
 class GRPOTrainer:
     """See the module docstring. ``optimizer`` may be None for gradient-only use."""
 
-    def __init__(self, policy: nn.Module, reward_fn: Callable, optimizer, config: GRPOConfig):
+    def __init__(self, policy: nn.Module, reward_fn: Callable, optimizer, config: GRPOConfig,
+                 *, parallel: str | None = None, process_group=None):
         if not isinstance(config, GRPOConfig):
             raise TypeError(f"config must be a GRPOConfig, got {type(config).__name__}")
         self.policy = policy
@@ -214,6 +243,13 @@ class GRPOTrainer:
         self.trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the policy has no parameter with requires_grad=True")
+        self.parallel = DataParallel(parallel, process_group, group_size=config.group_size)
+        if self.parallel.distributed:
+            shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in policy.named_parameters()
+                      if p.requires_grad]
+            self.parallel.check_same("the GRPOConfig and trainable parameters",
+                                     f"{config!r} {shapes}")
+            self.parallel.broadcast_module(policy)
         self._velocity = _Velocity(policy)
         self._reference = self._make_reference() if config.beta > 0 else None
         self._steps: dict = {}
@@ -309,14 +345,16 @@ class GRPOTrainer:
                 inference_flops=graph_flops(graph.inference, symbol, num_rows)))
         return self._cost_cache[key][1]
 
-    def _plans(self, keys, example, mask, schedule):
+    def _plans(self, keys, example, mask, schedule, in_flight=None):
         """Plan the three schedules from the step's graphs, pick one (auto, with smaller
         partitioner budgets for retain when it does not fit)."""
         cfg = self.config
-        budget_bytes = self._budget_bytes(example[0][0].device)
+        # Data parallel: every rank plans with the smallest budget of them all.
+        budget_bytes = int(self.parallel.all_min(self._budget_bytes(example[0][0].device)))
         rows_per_step = [n for n in mask.sum(0).tolist() if n]
         num_rows, num_steps = mask.shape
-        samples_in_flight = num_rows if cfg.global_std else cfg.group_size
+        samples_in_flight = num_rows if cfg.global_std else (
+            cfg.group_size if in_flight is None else in_flight)
 
         def plans_for(partitioner_budget):
             graph = self._graphs(self.lean_step(keys, partitioner_budget), example)
@@ -365,46 +403,70 @@ class GRPOTrainer:
 
     def _setup(self, conditions, generator, *, schedule, chunks) -> _Setup:
         """Everything drawn before the rollout, the plans and the chosen schedule."""
-        cfg = self.config
+        cfg, par = self.config, self.parallel
         keys = list(conditions)
         num_prompts = next(iter(conditions.values())).shape[0]
         batch = num_prompts * cfg.group_size
         cond = {k: v.repeat_interleave(cfg.group_size, dim=0) for k, v in conditions.items()}
         cond_list = [cond[k] for k in keys]
         num_steps = len(self.policy.sigmas) - 1
-
-        # Drawn before the rollout: the trained steps, the initial latents, all SDE noise.
-        selected = select_timesteps(
-            TimestepSelection(strategy=cfg.strategy, fraction=None if cfg.strategy == "window"
-                              else cfg.timestep_fraction),
-            batch=batch, num_steps=num_steps, generator=generator)
-        if not 1 <= chunks <= selected.shape[1]:
-            raise ValueError(f"chunks={chunks} must be between 1 and the {selected.shape[1]} "
-                             "selected steps per sample")
-        if cfg.init_same_noise:
-            latents0 = same_noise_latents(
-                self.policy.initial_latents(num_prompts, generator), cfg.group_size)
-        else:
-            latents0 = self.policy.initial_latents(batch, generator)
-        latents0 = latents0.float()
-        noise = torch.randn((num_steps,) + tuple(latents0.shape), generator=generator,
-                            dtype=torch.float32, device=latents0.device)
-        chunk_steps = list(torch.tensor_split(selected, chunks, dim=1))
-        mask = torch.zeros(batch, num_steps, dtype=torch.bool)
-        mask.scatter_(1, chunk_steps[0], True)
         schedule = cfg.schedule if schedule is None else schedule
         if schedule not in SCHEDULES + ("auto",):
             raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULES + ('auto',)}")
+
+        # One base seed per step; every sample draws from its own generator seeded by
+        # (seed, prompt, generation), so where a sample runs does not change what it draws.
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+        if par.distributed:
+            fingerprint = [(k, tuple(v.shape), str(v.dtype),
+                            float(v.detach().double().sum()),
+                            float((v.detach().double().flatten() ** 2).sum()))
+                           for k, v in conditions.items()]
+            par.check_same("the step's conditions and generator seed",
+                           f"seed {seed} schedule {schedule} chunks {chunks} {fingerprint}")
+        owner = row_owner(cfg.layout, num_prompts=num_prompts, group_size=cfg.group_size,
+                          world_size=par.world_size, seed=seed)
+        owned = owner == par.rank
+        local = owned.nonzero().flatten()
+        selection = TimestepSelection(strategy=cfg.strategy, fraction=None
+                                      if cfg.strategy == "window" else cfg.timestep_fraction)
+        draws = draw_samples(self.policy, selection=selection, num_prompts=num_prompts,
+                             group_size=cfg.group_size, num_steps=num_steps, seed=seed,
+                             init_same_noise=cfg.init_same_noise, rows=local.tolist())
+        selected, latents0, noise = draws.selected, draws.latents0, draws.noise
+        if not 1 <= chunks <= selected.shape[1]:
+            raise ValueError(f"chunks={chunks} must be between 1 and the {selected.shape[1]} "
+                             "selected steps per sample")
+        chunk_steps = list(torch.tensor_split(selected, chunks, dim=1))
+        mask = torch.zeros(batch, num_steps, dtype=torch.bool)
+        mask.scatter_(1, chunk_steps[0], True)
         example = (self._call_args(latents0, 0, cond_list, torch.arange(batch)),
                    {"noise": noise[0]})
+        units = assign(cfg.layout, num_prompts=num_prompts, group_size=cfg.group_size,
+                       world_size=par.world_size, rank=par.rank, seed=seed)
+        plan_mask = mask[local] if local.numel() else mask
+        # Reweight's gradient buffers in flight: a group's rows on this rank (the whole local
+        # batch when advantages wait for everyone: global_std, or groups scattered over ranks).
+        in_flight = (plan_mask.shape[0] if cfg.layout == "scattered" and par.distributed
+                     else max([len(u.rows) for u in units] + [1]))
         schedule, reason, plans, partitioner_budget, budget_bytes = self._plans(
-            keys, example, mask, schedule)
+            keys, example, plan_mask, schedule, in_flight=in_flight)
+        if par.distributed:
+            # The ranks must run the same schedule (their collectives follow it): the most
+            # frugal of their choices.
+            order = ("retain", "reweight", "recompute")
+            agreed = order[int(par.all_max(order.index(schedule)))]
+            if agreed != schedule:
+                reason = (f"{agreed}: another rank's rows do not fit {schedule} (this rank: "
+                          f"{reason})")
+                schedule, partitioner_budget = agreed, None
         return _Setup(keys=keys, num_prompts=num_prompts, batch=batch, cond=cond,
                       cond_list=cond_list, selected=selected, latents0=latents0, noise=noise,
                       chunk_steps=chunk_steps, mask=mask,
                       lean=self.lean_step(keys, partitioner_budget), schedule=schedule,
                       reason=reason, plans=plans, partitioner_budget=partitioner_budget,
-                      budget_bytes=budget_bytes)
+                      budget_bytes=budget_bytes, seed=seed, local=local, owned=owned,
+                      units=units)
 
     def explain_schedules(self, conditions, generator=None, *, schedule=None) -> ScheduleReport:
         """What ``leancompile.explain(trainer, conditions)`` returns: ``explain``."""
@@ -450,34 +512,52 @@ class GRPOTrainer:
         pending = PendingUpdate(trainer=self, setup=st, versions=self._versions())
         adv_config = AdvantageConfig(global_std=cfg.global_std, adv_clip_max=cfg.adv_clip_max)
         group_ids = group_ids_for(st.num_prompts, cfg.group_size)
+        par = self.parallel
         rewards = torch.zeros(st.batch)
         advantages = torch.zeros(st.batch)
-        trajectory = torch.empty((st.batch, st.noise.shape[0] + 1) + tuple(st.latents0.shape[1:]))
+        trajectory = torch.zeros((st.batch, st.noise.shape[0] + 1) + tuple(st.latents0.shape[1:]))
         log_probs = torch.zeros(st.batch, st.noise.shape[0])
         # Reweight with per-group statistics updates a group as soon as it is scored, freeing
-        # its gradient buffers; everything else scores the whole batch first.
-        per_group = st.schedule == "reweight" and not cfg.global_std
-        groups = ([torch.arange(g, g + cfg.group_size) for g in range(0, st.batch, cfg.group_size)]
-                  if per_group else [torch.arange(st.batch)])
+        # its gradient buffers; everything else scores the whole batch first (so do groups
+        # scattered over the ranks: their rewards are gathered from everyone at once).
+        per_group = st.schedule == "reweight" and not cfg.global_std and not (
+            cfg.layout == "scattered" and par.distributed)
+        units = st.units if per_group else [
+            Unit(prompts=tuple(range(st.num_prompts)), rows=tuple(st.local.tolist()),
+                 ranks=tuple(range(par.world_size)))]
         pending.stash_grads()
-        for rows in groups:
-            traj, lps = pending.sample(rows)
-            trajectory[rows], log_probs[rows] = traj, lps
-            group_cond = {k: v[rows] for k, v in st.cond.items()}
-            rewards[rows] = check_rewards(self.reward_fn(traj[:, -1], group_cond), rows.numel())
+        for unit in units:
+            rows = torch.tensor(unit.rows, dtype=torch.long)
+            if rows.numel():
+                traj, lps = pending.sample(rows)
+                trajectory[rows], log_probs[rows] = traj, lps
+                group_cond = {k: v[rows] for k, v in st.cond.items()}
+                rewards[rows] = check_rewards(self.reward_fn(traj[:, -1], group_cond),
+                                              rows.numel())
             if per_group:
-                advantages[rows] = group_advantages(rewards[rows], group_ids[rows] * 0,
-                                                    adv_config)
-                pending.train(rows, advantages, trajectory, log_probs, chunk=0)
+                group = torch.cat([torch.arange(p * cfg.group_size, (p + 1) * cfg.group_size)
+                                   for p in unit.prompts])
+                rewards[group] = par.gather_rows(rewards[group], st.owned[group], unit.ranks)
+                advantages[group] = group_advantages(rewards[group], group_ids[group],
+                                                     adv_config)
+                if rows.numel():
+                    pending.train(rows, advantages, trajectory, log_probs, chunk=0)
         if not per_group:
+            rewards = par.gather_rows(rewards, st.owned)
             advantages = group_advantages(rewards, group_ids, adv_config)
         else:
             pending.rollout_grads = pending.collect()
+            pending._rollout_sync = pending.sync
+            # Every rank's record holds every row's reward and advantage.
+            rewards = par.gather_rows(rewards, st.owned)
+            advantages = par.gather_rows(advantages, st.owned)
+        log_probs = par.gather_rows(log_probs, st.owned)
         pending.restore_grads()
         pending.rollout_seconds = time.perf_counter() - start
         pending.rollout = Rollout(latents=trajectory, selected=st.selected, log_probs=log_probs,
                                   rewards=rewards, advantages=advantages, conditions=st.cond,
-                                  noise=st.noise)
+                                  noise=st.noise, rows=st.local if par.distributed else None,
+                                  seed=st.seed)
         pending.trained_in_rollout = per_group
         self.last_rollout = pending.rollout
         return pending
@@ -505,6 +585,9 @@ class GRPOTrainer:
             if chunk == 0:
                 metrics["retained_bytes"] = result.retained_bytes
                 metrics["buffer_bytes"] = result.buffer_bytes
+            metrics["sync_collectives"] = metrics.get("sync_collectives", 0) + \
+                result.sync_collectives
+            metrics["sync_bytes"] = metrics.get("sync_bytes", 0) + result.sync_bytes
         metrics.update(schedule=schedules[0], schedules=schedules, grad_norm=norms[0],
                        grad_norms=norms, kl=sum(kls) / len(kls), update_s=update_s)
         return metrics
@@ -543,6 +626,8 @@ class PendingUpdate:
         self._kl: list[torch.Tensor] = []
         self._stash: dict = {}
         self.rollout_grads: dict | None = None
+        self.sync = (0, 0)
+        self._rollout_sync = (0, 0)
         self._retained = self._buffered = 0
         self._ratio_error: float | None = None
 
@@ -554,12 +639,18 @@ class PendingUpdate:
             p.grad = None
 
     def collect(self) -> dict[str, torch.Tensor]:
+        """The trainable parameters' ``.grad`` (taken out), summed over the ranks when data
+        parallel: the update's one gradient reduction."""
         params = dict(self.trainer.policy.named_parameters())
         grads = {}
         for name in self.trainer.trainable:
             p = params[name]
             grads[name] = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
             p.grad = None
+        par = self.trainer.parallel
+        count, nbytes = par.sync_collectives, par.sync_bytes
+        par.sync_gradients(grads)
+        self.sync = (par.sync_collectives - count, par.sync_bytes - nbytes)
         return grads
 
     def restore_grads(self) -> None:
@@ -663,11 +754,12 @@ class PendingUpdate:
                 "the policy's parameters changed between rollout and update (an optimizer "
                 "step or an in-place change): the kept activations / gradient buffers are "
                 "stale, so this update is recomputed", OffPolicyWarning, stacklevel=2)
-        rows = torch.arange(record.latents.shape[0])
+        rows = self.setup.local
         self.stash_grads()
         try:
             if chunk == 0 and self.trained_in_rollout and not stale:
                 grads = self.rollout_grads  # reweight updated each group as it was scored
+                self.sync = self._rollout_sync
             else:
                 if chunk > 0 or stale:
                     self._kl.clear()
@@ -679,12 +771,23 @@ class PendingUpdate:
             self.restore_grads()
         reused = lean.stats.reused_calls > before or (
             self.trained_in_rollout and chunk == 0 and not stale)
+        par = trainer.parallel
+        if par.distributed:  # a rank without rows reused nothing, but its peers did
+            reused = par.all_max(float(reused)) > 0
         used = self.schedule if reused and self.schedule != "recompute" else "recompute"
-        kl = torch.cat(self._kl).mean().item() if self._kl else 0.0
+        kl_sum = float(torch.cat(self._kl).sum()) if self._kl else 0.0
+        kl_count = sum(k.numel() for k in self._kl)
+        if trainer.config.beta > 0:
+            kl_sum, kl_count = par.all_sum([kl_sum, kl_count])
+        kl = kl_sum / kl_count if kl_count else 0.0
         self._kl.clear()
         ratio_error, self._ratio_error = self._ratio_error, None
+        if par.distributed:
+            ratio_error = par.all_max(-1.0 if ratio_error is None else ratio_error)
+            ratio_error = None if ratio_error < 0 else ratio_error
         return GradResult(grads=grads, rollout=record, schedule=used, reason=self.reason,
                           plans=self.plans, retained_bytes=self._retained if used != "recompute"
                           else 0, buffer_bytes=self._buffered if used != "recompute" else 0,
                           kl=kl, rollout_seconds=self.rollout_seconds,
-                          update_seconds=time.perf_counter() - start, ratio_error=ratio_error)
+                          update_seconds=time.perf_counter() - start, ratio_error=ratio_error,
+                          sync_collectives=self.sync[0], sync_bytes=self.sync[1])

@@ -1,0 +1,169 @@
+"""The trainer's data-parallel runtime: one object per ``GRPOTrainer`` that knows the process
+group, the shared layout's worker sub-communicators, and the few collectives GRPO needs.
+
+``DataParallel(None)`` is a single process: every method is local and nothing is counted.
+``DataParallel("ddp", group)`` replicates the parameters (broadcast from the group's rank 0 at
+set-up, as ``DistributedDataParallel`` does) and sums the gradients of the ranks' rows with one
+flat all-reduce per update (``sync_gradients``): the per-sample gradient buffers of Reweight and
+the kept activations of Retain stay rank-local, and a gradient is only reduced once its samples'
+advantages are in it. Every collective the trainer issues goes through here, so their number and
+bytes are counted: ``sync_collectives`` / ``sync_bytes`` (gradient reductions) and
+``other_collectives`` / ``other_bytes`` (rewards, checks, metrics).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .layout import worker_groups
+
+__all__ = ["PARALLEL", "DataParallel", "RankMismatchError"]
+
+PARALLEL = (None, "ddp", "fsdp")
+
+
+class RankMismatchError(RuntimeError):
+    """The ranks of a data-parallel trainer were given different configurations or inputs."""
+
+
+class DataParallel:
+    def __init__(self, parallel: str | None, group=None, *, group_size: int = 1):
+        if parallel not in PARALLEL:
+            raise ValueError(f"parallel={parallel!r}; use one of {PARALLEL}")
+        if parallel == "fsdp":
+            raise NotImplementedError(
+                "parallel='fsdp' (parameters sharded as DTensors and gathered inside the traced "
+                "step) is not implemented yet; use parallel='ddp' (replicated parameters, one "
+                "gradient all-reduce per update)")
+        self.parallel = parallel
+        self.sync_collectives = self.sync_bytes = 0
+        self.other_collectives = self.other_bytes = 0
+        if parallel is None:
+            self.group, self.rank, self.world_size, self._sub = None, 0, 1, {}
+            return
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                f"parallel={parallel!r} needs torch.distributed: call "
+                "dist.init_process_group(...) first (torchrun sets the environment; "
+                "backend 'gloo' on CPU, 'nccl' on GPU)")
+        self.group = dist.group.WORLD if group is None else group
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self._globals = dist.get_process_group_ranks(self.group)
+        # The shared layout's worker groups, created in the same order on every rank (new_group
+        # is collective over the default group).
+        self._sub = {}
+        for ranks in worker_groups(group_size, self.world_size):
+            if len(ranks) == self.world_size:
+                self._sub[ranks] = self.group
+            elif len(ranks) > 1:
+                self._sub[ranks] = dist.new_group([self._globals[r] for r in ranks])
+
+    @property
+    def distributed(self) -> bool:
+        return self.parallel is not None and self.world_size > 1
+
+    def reset_counts(self) -> None:
+        self.sync_collectives = self.sync_bytes = 0
+        self.other_collectives = self.other_bytes = 0
+
+    def _group_for(self, ranks: Sequence[int] | None):
+        if ranks is None or len(ranks) == self.world_size:
+            return self.group
+        ranks = tuple(ranks)
+        if ranks not in self._sub:
+            raise ValueError(f"no sub-communicator for ranks {ranks}")
+        return self._sub[ranks]
+
+    def _all_reduce(self, tensor, op=None, ranks=None, *, sync=False):
+        if not self.distributed or (ranks is not None and len(ranks) <= 1):
+            return tensor
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op,
+                        group=self._group_for(ranks))
+        nbytes = tensor.numel() * tensor.element_size()
+        if sync:
+            self.sync_collectives += 1
+            self.sync_bytes += nbytes
+        else:
+            self.other_collectives += 1
+            self.other_bytes += nbytes
+        return tensor
+
+    # -- set-up checks ------------------------------------------------------------------------
+    def broadcast_module(self, module: torch.nn.Module) -> None:
+        """Parameters and buffers of ``module`` from the group's rank 0 (as DDP's
+        construction does)."""
+        if not self.distributed:
+            return
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t.data, group_src=0, group=self.group)
+
+    def check_same(self, what: str, value: str) -> None:
+        """Raise ``RankMismatchError`` naming the ranks when ``value`` differs across ranks."""
+        if not self.distributed:
+            return
+        digest = int.from_bytes(hashlib.sha256(value.encode()).digest()[:7], "little")
+        t = torch.tensor([digest, -digest], dtype=torch.int64)
+        self._all_reduce(t, dist.ReduceOp.MAX)
+        if t[0].item() == digest and -t[1].item() == digest:
+            return
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, value, group=self.group)
+        groups: dict[str, list[int]] = {}
+        for r, v in enumerate(everyone):
+            groups.setdefault(v, []).append(r)
+        detail = "; ".join(f"ranks {ranks}: {v[:300]}" for v, ranks in groups.items())
+        raise RankMismatchError(
+            f"{what} differs across the {self.world_size} ranks of the data-parallel trainer "
+            f"({detail}). Every rank must build the trainer with the same config and pass the "
+            "same global batch of conditions and the same generator seed")
+
+    # -- collectives of a step ---------------------------------------------------------------
+    def gather_rows(self, values: torch.Tensor, owned: torch.Tensor,
+                    ranks: Sequence[int] | None = None) -> torch.Tensor:
+        """``values [N, ...]`` with the rows ``owned [N]`` (bool) filled by this rank: returns
+        every rank's rows (a sum over ``ranks``, others contributing zeros)."""
+        if not self.distributed:
+            return values
+        mask = owned.reshape((-1,) + (1,) * (values.ndim - 1))
+        out = torch.where(mask, values, torch.zeros((), dtype=values.dtype))
+        return self._all_reduce(out.contiguous(), ranks=ranks)
+
+    def all_max(self, value: float) -> float:
+        if not self.distributed:
+            return value
+        return self._all_reduce(torch.tensor([value], dtype=torch.float64),
+                                dist.ReduceOp.MAX).item()
+
+    def all_min(self, value: float) -> float:
+        if not self.distributed:
+            return value
+        return self._all_reduce(torch.tensor([value], dtype=torch.float64),
+                                dist.ReduceOp.MIN).item()
+
+    def all_sum(self, values: Sequence[float]) -> list[float]:
+        if not self.distributed:
+            return list(values)
+        return self._all_reduce(torch.tensor(list(values), dtype=torch.float64)).tolist()
+
+    def sync_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+        """Sum ``grads`` over the ranks in place: one all-reduce of one flat buffer per dtype
+        and device."""
+        if not self.distributed or not grads:
+            return
+        buckets: dict = {}
+        for name, g in grads.items():
+            buckets.setdefault((g.dtype, g.device), []).append(name)
+        for names in buckets.values():
+            flat = torch.cat([grads[n].reshape(-1) for n in names])
+            self._all_reduce(flat, sync=True)
+            offset = 0
+            for n in names:
+                g = grads[n]
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
