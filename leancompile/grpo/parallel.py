@@ -13,6 +13,7 @@ bytes are counted: ``sync_collectives`` / ``sync_bytes`` (gradient reductions) a
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 from collections.abc import Sequence
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from .layout import worker_groups
 
-__all__ = ["PARALLEL", "DataParallel", "RankMismatchError"]
+__all__ = ["PARALLEL", "DataParallel", "PeerFailureError", "RankMismatchError"]
 
 PARALLEL = (None, "ddp", "fsdp")
 
@@ -30,8 +31,13 @@ class RankMismatchError(RuntimeError):
     """The ranks of a data-parallel trainer were given different configurations or inputs."""
 
 
+class PeerFailureError(RuntimeError):
+    """A collective of the data-parallel trainer did not complete: a peer died or hangs."""
+
+
 class DataParallel:
-    def __init__(self, parallel: str | None, group=None, *, group_size: int = 1):
+    def __init__(self, parallel: str | None, group=None, *, group_size: int = 1,
+                 timeout_s: float | None = 600.0):
         if parallel not in PARALLEL:
             raise ValueError(f"parallel={parallel!r}; use one of {PARALLEL}")
         if parallel == "fsdp":
@@ -40,6 +46,10 @@ class DataParallel:
                 "step) is not implemented yet; use parallel='ddp' (replicated parameters, one "
                 "gradient all-reduce per update)")
         self.parallel = parallel
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be > 0 (or None: the process "
+                             "group's own timeout)")
+        self.timeout_s = timeout_s
         self.sync_collectives = self.sync_bytes = 0
         self.other_collectives = self.other_bytes = 0
         if parallel is None:
@@ -79,11 +89,33 @@ class DataParallel:
             raise ValueError(f"no sub-communicator for ranks {ranks}")
         return self._sub[ranks]
 
-    def _all_reduce(self, tensor, op=None, ranks=None, *, sync=False):
+    def _wait(self, work, what: str) -> None:
+        """Wait for a collective; a peer that died or hangs becomes an error naming what this
+        rank was waiting for, within ``timeout_s``."""
+        try:
+            if self.timeout_s is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:  # noqa: BLE001 - re-raised with what the user can do
+            raise PeerFailureError(
+                f"rank {self.rank} of {self.world_size}: {what} did not complete "
+                f"(timeout_s={self.timeout_s}): a peer rank died, hangs or is running "
+                f"something else ({type(e).__name__}: {str(e)[:300]}). The process group is "
+                "no longer usable: exit this process (torchrun restarts or ends the job) and "
+                "resume from the last checkpoint (GRPOTrainer.load)") from e
+
+    def barrier(self) -> None:
+        if self.distributed:
+            self._wait(dist.barrier(group=self.group, async_op=True), "a barrier")
+            self.other_collectives += 1
+
+    def _all_reduce(self, tensor, op=None, ranks=None, *, sync=False, what="an all-reduce"):
         if not self.distributed or (ranks is not None and len(ranks) <= 1):
             return tensor
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op,
-                        group=self._group_for(ranks))
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op,
+                               group=self._group_for(ranks), async_op=True)
+        self._wait(work, what)
         nbytes = tensor.numel() * tensor.element_size()
         if sync:
             self.sync_collectives += 1
@@ -101,7 +133,8 @@ class DataParallel:
             return
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t.data, group_src=0, group=self.group)
+                self._wait(dist.broadcast(t.data, group_src=0, group=self.group,
+                                          async_op=True), "the parameter broadcast")
 
     def check_same(self, what: str, value: str) -> None:
         """Raise ``RankMismatchError`` naming the ranks when ``value`` differs across ranks."""
@@ -132,7 +165,8 @@ class DataParallel:
             return values
         mask = owned.reshape((-1,) + (1,) * (values.ndim - 1))
         out = torch.where(mask, values, torch.zeros((), dtype=values.dtype))
-        return self._all_reduce(out.contiguous(), ranks=ranks)
+        return self._all_reduce(out.contiguous(), ranks=ranks,
+                                what="gathering rewards / log-probs")
 
     def all_max(self, value: float) -> float:
         if not self.distributed:
@@ -161,7 +195,7 @@ class DataParallel:
             buckets.setdefault((g.dtype, g.device), []).append(name)
         for names in buckets.values():
             flat = torch.cat([grads[n].reshape(-1) for n in names])
-            self._all_reduce(flat, sync=True)
+            self._all_reduce(flat, sync=True, what="the gradient all-reduce")
             offset = 0
             for n in names:
                 g = grads[n]

@@ -17,10 +17,12 @@ advantages.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
@@ -233,7 +235,8 @@ class GRPOTrainer:
     """See the module docstring. ``optimizer`` may be None for gradient-only use."""
 
     def __init__(self, policy: nn.Module, reward_fn: Callable, optimizer, config: GRPOConfig,
-                 *, parallel: str | None = None, process_group=None):
+                 *, parallel: str | None = None, process_group=None,
+                 timeout_s: float | None = 600.0):
         if not isinstance(config, GRPOConfig):
             raise TypeError(f"config must be a GRPOConfig, got {type(config).__name__}")
         self.policy = policy
@@ -243,7 +246,10 @@ class GRPOTrainer:
         self.trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the policy has no parameter with requires_grad=True")
-        self.parallel = DataParallel(parallel, process_group, group_size=config.group_size)
+        self.parallel = DataParallel(parallel, process_group, group_size=config.group_size,
+                                     timeout_s=timeout_s)
+        self.step_count = 0
+        """Optimizer steps taken by ``step`` (saved and restored by checkpoints)."""
         if self.parallel.distributed:
             shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in policy.named_parameters()
                       if p.requires_grad]
@@ -590,7 +596,40 @@ class GRPOTrainer:
             metrics["sync_bytes"] = metrics.get("sync_bytes", 0) + result.sync_bytes
         metrics.update(schedule=schedules[0], schedules=schedules, grad_norm=norms[0],
                        grad_norms=norms, kl=sum(kls) / len(kls), update_s=update_s)
+        self.step_count += 1
+        metrics["step"] = self.step_count
         return metrics
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save(self, run_dir) -> "Path":
+        """Save parameters (trainable ones; peft adapters also in peft's format), optimizer
+        state, random states, step count and config as ``run_dir/step_K``, atomically, and point
+        ``run_dir/latest`` at it (``leancompile.grpo.checkpoint``). Collective when data
+        parallel (rank 0 writes)."""
+        from .checkpoint import save
+
+        return save(self, run_dir)
+
+    @classmethod
+    def load(cls, path, policy: nn.Module, reward_fn: Callable, optimizer,
+             config: GRPOConfig | None = None, **kwargs) -> "GRPOTrainer":
+        """A trainer resumed from ``path`` (a run directory: its latest checkpoint; or one
+        checkpoint folder). ``policy`` and ``optimizer`` are built as for the original run
+        (same model, LoRA config, optimizer class and parameter groups); their state is loaded.
+        ``config``: None takes the saved one. ``kwargs``: ``parallel``, ``process_group``,
+        ``timeout_s``."""
+        import json
+
+        from .checkpoint import latest_checkpoint, load_into
+
+        if config is None:
+            saved = json.loads((latest_checkpoint(path) / "trainer.json").read_text())["config"]
+            fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+            config = GRPOConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                   for k, v in saved.items() if k in fields})
+        trainer = cls(policy, reward_fn, optimizer, config, **kwargs)
+        load_into(trainer, path)
+        return trainer
 
     def _apply(self, grads: dict[str, torch.Tensor]) -> float:
         params = dict(self.policy.named_parameters())
