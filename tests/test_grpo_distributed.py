@@ -211,3 +211,88 @@ def test_parallel_arguments_are_checked():
             GRPOTrainer(policy, mean_latent_reward, None, GRPOConfig(), parallel="ddp")
     with pytest.raises(ValueError, match="layout='ring'"):
         GRPOConfig(layout="ring")
+
+
+# -- the wrapper inside a user's own DDP loop ------------------------------------------------------
+
+class _Velocity:
+    """The loop's function: the policy's velocity, whose transformer call is the wrapped DDP
+    module; the phases are that wrapper's."""
+
+    def __init__(self, policy, step):
+        self.policy, self.step = policy, step
+
+    def __call__(self, *args, **kwargs):
+        return self.policy.velocity(*args, **kwargs)
+
+    def rollout(self, **kwargs):
+        return self.step.rollout(**kwargs)
+
+    def update(self):
+        return self.step.update()
+
+
+def _user_ddp_worker(rank, world, init, out):
+    """FlowGRPO's accelerate shape: the transformer wrapped in DDP, each rank sampling its own
+    prompts (seeded by rank), DDP's bucketed all-reduce in every backward; LeanGRPO wraps the
+    DDP module (``lean_compile(DDP(transformer), schedule=...)``) and marks the two phases."""
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import leancompile
+    from leancompile.demos.user_loops import LoopConfig, flow_grpo_loop
+    from leancompile.integrations.diffusers import FluxPolicy
+
+    config = LoopConfig(sde="flow_grpo", eta=0.9, iterations=2)
+    report = {}
+    for name in ("plain", "retain"):
+        torch._dynamo.reset()
+        base = tiny_flux_policy(steps=4)
+        ddp = DDP(base.transformer.requires_grad_(True))
+        calls = [0]
+
+        def counting(state, bucket, calls=calls):
+            calls[0] += 1
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, counting)
+        extra = {} if name == "plain" else {"schedule": name}
+        step = leancompile.lean_compile(ddp, backend="aot_eager", **extra)
+        policy = FluxPolicy(step, num_inference_steps=4, height=8, width=8, vae_scale_factor=1,
+                            guidance_scale=3.5)
+        fn = _Velocity(policy, step) if extra else policy.velocity
+        result = flow_grpo_loop(policy, fn, config, seed=100 + rank)
+        flat = [torch.cat([g.flatten() for _, g in sorted(grads.items())])
+                for grads in result.grads]
+        params = torch.cat([p.flatten() for _, p in sorted(result.params.items())])
+        # Every rank must end with the same parameters: DDP averaged the gradients.
+        gathered = [torch.empty_like(params) for _ in range(world)]
+        dist.all_gather(gathered, params)
+        report[name] = {"grads": [g.tolist() for g in flat], "params": params.tolist(),
+                        "ranks_differ": max((g - params).abs().max().item() for g in gathered),
+                        "allreduces": calls[0],
+                        "forwards_run": getattr(getattr(step, "stats", None), "forwards_run",
+                                                None),
+                        "summary": str(step.stats.summary()) if extra else ""}
+    with open(os.path.join(out, f"ddp{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+def test_wrapper_inside_a_users_ddp_loop_gives_the_plain_loops_gradients(tmp_path):
+    mp.spawn(_user_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+             join=True)
+    for rank in range(2):
+        report = json.loads((tmp_path / f"ddp{rank}.json").read_text())
+        plain, lean = report["plain"], report["retain"]
+        assert plain["ranks_differ"] == 0 and lean["ranks_differ"] == 0, (rank, report)
+        # DDP reduced as often with the wrapper as without it (once per backward).
+        assert lean["allreduces"] == plain["allreduces"] > 0
+        assert lean["forwards_run"] == 0, lean["summary"]  # the update reused the rollout's
+        for got, ref in zip(lean["grads"], plain["grads"]):
+            got, ref = torch.tensor(got), torch.tensor(ref)
+            assert ((got - ref).norm() / ref.norm()).item() <= 1e-6
+        got, ref = torch.tensor(lean["params"]), torch.tensor(plain["params"])
+        assert ((got - ref).norm() / ref.norm()).item() <= 1e-6

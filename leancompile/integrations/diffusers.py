@@ -149,6 +149,32 @@ def _vae_value(vae_config: Mapping | None, defaults: Mapping, key: str, policy: 
     return value
 
 
+def _unwrap_ddp(module) -> nn.Module:
+    """The model inside ``DistributedDataParallel``, ``torch.compile`` and ``lean_compile``
+    wrappers."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for _ in range(8):
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        elif isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+            module = module._orig_mod
+        elif not isinstance(module, nn.Module) and hasattr(module, "__wrapped__"):
+            module = module.__wrapped__
+        else:
+            break
+    return module
+
+
+def _outer_module(module) -> nn.Module | None:
+    """The outermost ``nn.Module`` of a chain of wrappers (what owns the parameters)."""
+    for _ in range(8):
+        if isinstance(module, nn.Module):
+            return module
+        module = getattr(module, "__wrapped__", None)
+    return None
+
+
 class FlowMatchPolicy(nn.Module):
     """What the three policies share: the schedule, step indexing, conditions, dtype handling.
 
@@ -176,17 +202,30 @@ class FlowMatchPolicy(nn.Module):
 
     def __init__(self, transformer: nn.Module, *, num_inference_steps: int, guidance_scale: float):
         super().__init__()
-        if not isinstance(transformer, self._transformer_class):
+        base = _unwrap_ddp(transformer)
+        if not isinstance(base, self._transformer_class):
             raise TypeError(
                 f"{type(self).__name__} wraps a diffusers {self._transformer_class.__name__}, got "
-                f"{type(transformer).__name__}. Inject LoRA in place (transformer.add_adapter("
+                f"{type(base).__name__}. Inject LoRA in place (transformer.add_adapter("
                 f"LoraConfig(...)) or peft.inject_adapter_in_model) rather than wrapping the "
                 f"transformer with peft.get_peft_model")
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, numbers.Real):
             raise TypeError(f"guidance_scale must be a number, got {guidance_scale!r}")
+        if not isinstance(transformer, nn.Module):
+            # A compiled wrapper (lean_compile(DDP(transformer), schedule=...)): the module it
+            # wraps is registered, so the policy's parameters are the transformer's.
+            self.transformer_module = _outer_module(transformer)
         self.transformer = transformer
+        """What ``velocity`` calls: the diffusers transformer, a ``DistributedDataParallel``
+        around it (its gradient all-reduce then runs in the user's backward, as in FlowGRPO's
+        accelerate loops), or ``lean_compile(...)`` of either."""
         self.num_inference_steps = _int_arg("num_inference_steps", num_inference_steps, minimum=1)
         self.guidance_scale = float(guidance_scale)
+
+    @property
+    def base_transformer(self) -> nn.Module:
+        """The diffusers transformer (``transformer.module`` when it is wrapped in DDP)."""
+        return _unwrap_ddp(self.transformer)
 
     # ---- schedule -------------------------------------------------------------------------
 
@@ -270,11 +309,11 @@ class FlowMatchPolicy(nn.Module):
     def _model_dtype(self) -> torch.dtype:
         """The dtype the transformer's first layer takes (its input projection's weight)."""
         weight = getattr(self._input_module(), "weight", None)
-        return weight.dtype if isinstance(weight, torch.Tensor) else self.transformer.dtype
+        return weight.dtype if isinstance(weight, torch.Tensor) else self.base_transformer.dtype
 
     def _model_device(self) -> torch.device:
         weight = getattr(self._input_module(), "weight", None)
-        return weight.device if isinstance(weight, torch.Tensor) else self.transformer.device
+        return weight.device if isinstance(weight, torch.Tensor) else self.base_transformer.device
 
     def _condition_shapes(self) -> dict[str, tuple]:
         """Per key, the shape of one row; ``None`` where any size goes (text length)."""
@@ -401,7 +440,7 @@ class FluxPolicy(FlowMatchPolicy):
                  vae_config: Mapping | None = None, vae_scale_factor: int | None = None):
         super().__init__(transformer, num_inference_steps=num_inference_steps,
                          guidance_scale=guidance_scale)
-        config = transformer.config
+        config = _unwrap_ddp(transformer).config
         self._set_image_size(height, width, vae_scale_factor, vae_config, _FLUX_VAE)
         multiple = 2 * self.vae_scale_factor
         _check_multiples(self.height, self.width, multiple, multiple,
@@ -430,10 +469,10 @@ class FluxPolicy(FlowMatchPolicy):
             self._set_schedule(sched, sigmas=np.linspace(1.0, 1 / T, T), mu=self.mu)
 
     def _input_module(self):
-        return self.transformer.x_embedder
+        return self.base_transformer.x_embedder
 
     def _condition_shapes(self):
-        config = self.transformer.config
+        config = self.base_transformer.config
         return {"prompt_embeds": (None, config.joint_attention_dim),
                 "pooled_prompt_embeds": (config.pooled_projection_dim,)}
 
@@ -470,7 +509,7 @@ class FluxPolicy(FlowMatchPolicy):
         cond = self._conditions(conditions, batch, device, dtype)
         prompt_embeds = cond["prompt_embeds"]
         guidance = None
-        if self.transformer.config.guidance_embeds:
+        if self.base_transformer.config.guidance_embeds:
             guidance = torch.full((batch,), self.guidance_scale, device=device, dtype=torch.float32)
         output = self.transformer(
             hidden_states=latents.to(dtype),
@@ -521,7 +560,7 @@ class SD3Policy(FlowMatchPolicy):
                  vae_config: Mapping | None = None, vae_scale_factor: int | None = None):
         super().__init__(transformer, num_inference_steps=num_inference_steps,
                          guidance_scale=guidance_scale)
-        config = transformer.config
+        config = _unwrap_ddp(transformer).config
         self._set_image_size(height, width, vae_scale_factor, vae_config, _SD3_VAE)
         patch = config.patch_size
         multiple = self.vae_scale_factor * patch
@@ -558,10 +597,10 @@ class SD3Policy(FlowMatchPolicy):
         return self.guidance_scale > 1
 
     def _input_module(self):
-        return self.transformer.pos_embed.proj
+        return self.base_transformer.pos_embed.proj
 
     def _condition_shapes(self):
-        config = self.transformer.config
+        config = self.base_transformer.config
         shapes = {"prompt_embeds": (None, config.joint_attention_dim),
                   "pooled_prompt_embeds": (config.pooled_projection_dim,)}
         if self.do_classifier_free_guidance:
@@ -639,7 +678,7 @@ class WanPolicy(FlowMatchPolicy):
                               f"this is diffusers {diffusers.__version__}")
         super().__init__(transformer, num_inference_steps=num_inference_steps,
                          guidance_scale=guidance_scale)
-        config = transformer.config
+        config = _unwrap_ddp(transformer).config
         if vae_scale_factor_spatial is None:
             vae_scale_factor_spatial = _vae_value(
                 vae_config, _WAN_VAE, "scale_factor_spatial", "WanPolicy")
@@ -692,10 +731,10 @@ class WanPolicy(FlowMatchPolicy):
         return self.guidance_scale > 1
 
     def _input_module(self):
-        return self.transformer.patch_embedding
+        return self.base_transformer.patch_embedding
 
     def _condition_shapes(self):
-        shapes = {"prompt_embeds": (None, self.transformer.config.text_dim)}
+        shapes = {"prompt_embeds": (None, self.base_transformer.config.text_dim)}
         if self.do_classifier_free_guidance:
             shapes["negative_prompt_embeds"] = shapes["prompt_embeds"]
         return shapes
