@@ -10,11 +10,13 @@ passes see are the ones they would see under Inductor.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -109,18 +111,17 @@ class LeanGraphPass(_PassBase):
     def run(self, gm: fx.GraphModule, *, phase: str) -> GraphRecord:
         record = self.pipeline.run(gm, phase=phase, graph_index=self._graph_index)
         report = self._report
-        if report is None:  # installed pass: a forward starts a report, its backward joins it
-            last = _latest_unbound.get("report")
-            if phase == "backward" and last is not None and "backward" not in last.phases:
-                report = last
-            else:
-                report = Report(options=self.options.cache_key())
-                _latest_unbound["report"] = report
-                record_report(report)
+        if report is None:  # installed pass: the report of the compile this graph belongs to
+            report = _unbound_report(self.options, phase)
         report.graphs.append(record)
         return record
 
     def uuid(self) -> str | None:
+        # Inductor asks for the uuid on every compile, also one its caches will serve: the
+        # moment to (re-)arm the installation's cache-hit report for this compile.
+        for inst in list(_installations):
+            if inst.graph_pass is self:
+                inst.note_compile(_compile_id())
         previous_uuid = None
         if self.previous is not None:
             get_uuid = getattr(self.previous, "uuid", None)
@@ -138,7 +139,43 @@ class LeanGraphPass(_PassBase):
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-_latest_unbound: dict[str, Report] = {}
+_unbound: "collections.OrderedDict[str, Report]" = collections.OrderedDict()
+_UNBOUND_KEEP = 256
+_unbound_lock = threading.Lock()
+_installations: list["Installation"] = []
+
+
+def _compile_id() -> str | None:
+    """The Dynamo compile this graph belongs to. AOTAutograd compiles a backward lazily, at the
+    first backward call, inside the compile context of its forward, so a forward and its
+    backward see the same id whatever ran in between."""
+    from torch._guards import CompileContext
+
+    cid = CompileContext.current_compile_id()
+    if cid is None:
+        return None
+    # Compile ids restart at 0/0 after torch._dynamo.reset(); the context object does not
+    # (AOTAutograd re-enters the forward's own context for the lazy backward).
+    return f"{cid}@{id(CompileContext.get())}"
+
+
+def _unbound_report(options: CompileOptions, phase: str) -> Report:
+    """The report of the current compile (made on its first graph) under ``install()``."""
+    key = _compile_id()
+    for inst in list(_installations):
+        inst.arm()
+    with _unbound_lock:
+        report = _unbound.get(key) if key is not None else None
+        if report is None or phase in report.phases:
+            report = Report(options=options.cache_key())
+            if key is not None:
+                _unbound[key] = report
+                while len(_unbound) > _UNBOUND_KEEP:
+                    _unbound.popitem(last=False)
+            for inst in _installations:
+                inst.reports.append(report)
+            record_report(report)
+        return report
 
 
 class LeanBackend:
@@ -252,6 +289,22 @@ class Installation:
         self.graph_pass = LeanGraphPass(options, previous=self.previous)
         config.post_grad_custom_pre_pass = self.graph_pass
         self.active = True
+        self.reports: list[Report] = []
+        """One report per compile while installed, in order (a forward and its later
+        backward share one; a compile served from Inductor's caches gets one that says so)."""
+        self._hits: dict[str, int] = {}
+        self._start, self._end = self._on_compile_start, self._on_compile_end
+        self.arm()
+        _installations.append(self)
+
+    def arm(self) -> None:
+        """(Re-)register the compile callbacks that report cache hits: ``torch._dynamo.reset()``
+        clears every callback, so each graph our pass sees re-arms them."""
+        handler = torch._dynamo.callback.callback_handler
+        if self.active and self._start not in handler.start_callbacks:
+            handler.register_start_callback(self._start)
+        if self.active and self._end not in handler.end_callbacks:
+            handler.register_end_callback(self._end)
         log.info("leancompile installed as post_grad_custom_pre_pass%s",
                  f" (chained after {self.previous!r})" if self.previous is not None else "")
 
@@ -267,6 +320,47 @@ class Installation:
                 " leancompile does not drop it")
         config.post_grad_custom_pre_pass = self.previous
         self.active = False
+        handler = torch._dynamo.callback.callback_handler
+        if self._start in handler.start_callbacks:
+            handler.remove_start_callback(self._start)
+        if self._end in handler.end_callbacks:
+            handler.remove_end_callback(self._end)
+        if self in _installations:
+            _installations.remove(self)
+
+    @staticmethod
+    def _cache_hits() -> int:
+        from torch._dynamo.utils import counters
+
+        return (counters["inductor"]["fxgraph_cache_hit"]
+                + counters["aot_autograd"]["autograd_cache_hit"])
+
+    def note_compile(self, compile_id: str | None) -> None:
+        """A compile is under way (called from the pass's uuid): arm the callbacks and take
+        the cache counters' baseline if its start was missed (callbacks cleared by a reset)."""
+        self.arm()
+        if compile_id is not None and compile_id not in self._hits:
+            self._hits[compile_id] = self._cache_hits()
+
+    def _on_compile_start(self, args) -> None:
+        self._hits[_compile_id() or args.compile_id] = self._cache_hits()
+
+    def _on_compile_end(self, args) -> None:
+        """A compile that hit Inductor's caches ran no pass: give it a report saying so."""
+        key = _compile_id() or args.compile_id
+        before = self._hits.pop(key, None)
+        if before is None or self._cache_hits() == before:
+            return
+        with _unbound_lock:
+            if key in _unbound:
+                return  # the passes ran for (part of) this compile
+            report = Report(options=self.options.cache_key(), cached=True)
+            _unbound[key] = report
+            for inst in _installations:
+                inst.reports.append(report)
+        record_report(report)
+        log.info("leancompile: compile %s served from Inductor's cache; passes not rerun",
+                 args.compile_id)
 
     def __enter__(self) -> "Installation":
         return self

@@ -68,6 +68,85 @@ def test_install_plain_call_and_uninstall(clean_inductor_pass, no_compile_cache)
     installed.uninstall()  # a second uninstall is a no-op
 
 
+def _two_modules():
+    torch.manual_seed(0)
+    a = torch.nn.Linear(4, 4)
+    b = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    return a, b
+
+
+def _dims(record) -> set[int]:
+    """Every tensor dimension in a graph record's final code."""
+    import re
+
+    return {int(d) for shape in re.findall(r"f32\[([\d, ]+)\]", record.after)
+            for d in shape.split(",") if d.strip()}
+
+
+def _attribution(compile_a, compile_b):
+    a, b = _two_modules()
+    ca, cb = compile_a(a), compile_b(b)
+    x = torch.randn(2, 4)
+    ya = ca(x)
+    report_a = leancompile.last_report()
+    yb = cb(x)
+    report_b = leancompile.last_report()
+    # Both forwards first, then both backwards: each backward compiles lazily, after the other
+    # module's forward.
+    ya.sum().backward()
+    yb.sum().backward()
+    return report_a, report_b
+
+
+def _check_attribution(report_a, report_b):
+    assert report_a is not report_b
+    assert report_a.phases == ["forward", "backward"], report_a.phases
+    assert report_b.phases == ["forward", "backward"], report_b.phases
+    # a's graphs only hold 2x4 and 4x4 tensors; b's backward has b's 8-wide hidden layer.
+    for record in report_a.graphs:
+        assert 8 not in _dims(record), (record.phase, _dims(record))
+    assert 8 in _dims(report_b.graph("backward"))
+
+
+def test_install_attributes_each_backward_to_its_own_forward(clean_inductor_pass,
+                                                             no_compile_cache):
+    with leancompile.install() as installed:
+        report_a, report_b = _attribution(torch.compile, torch.compile)
+        _check_attribution(report_a, report_b)
+        assert installed.reports == [report_a, report_b]
+
+
+def test_backend_attributes_each_backward_to_its_own_forward(no_compile_cache):
+    for compiler in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+
+        def compile_(m):
+            return torch.compile(m, backend=leancompile.backend(compiler=compiler))
+
+        _check_attribution(*_attribution(compile_, compile_))
+
+
+def test_install_reports_a_compile_served_from_the_cache(clean_inductor_pass, tmp_path,
+                                                          monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    model = mlp()
+    x = torch.randn(4, 16)
+    with torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True), \
+            leancompile.install() as installed:
+        torch.compile(model)(x).sum().backward()
+        first = leancompile.last_report()
+        assert not first.cached and first.phases == ["forward", "backward"]
+        # Recompiled from scratch (a reset also clears Dynamo's compile callbacks): the graphs
+        # and our pass uuid are the same, so Inductor serves them from its caches.
+        torch._dynamo.reset()
+        torch.compile(model)(x).sum().backward()
+        hit = leancompile.last_report()
+        assert hit is not first and hit.cached and not hit.graphs
+        assert "served from Inductor's compile cache" in str(hit)
+        assert installed.reports == [first, hit]
+
+
 def test_uninstall_refuses_to_drop_a_pass_installed_on_top(clean_inductor_pass):
     inductor_config.post_grad_custom_pre_pass = None
     installed = leancompile.install()

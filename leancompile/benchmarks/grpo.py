@@ -34,6 +34,7 @@ is a lean schedule's ratio to recompute over that ideal, by median and by minimu
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -296,13 +297,20 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
     from ..grpo.timesteps import TimestepSelection
     from ..grpo.trainer import GRPOConfig, GRPOTrainer
 
+    import torch.distributed as dist
+
     if config.threads:
         torch.set_num_threads(config.threads)
     policy = build_policy(config)
     sde = "dance_grpo" if config.model == "wan" else "flow_grpo"
+    # Under torchrun: data parallel (the shared layout), and no eager row (FlowGRPO's eager loop
+    # here is single-process).
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    parallel = "ddp" if world > 1 else None
     trainers = {c: GRPOTrainer(policy, mean_latent_reward, None, GRPOConfig(
         sde=sde, eta=0.3 if sde == "dance_grpo" else 0.9, group_size=config.group_size,
-        timestep_fraction=config.fraction, compiler=c)) for c in config.compilers}
+        timestep_fraction=config.fraction, compiler=c), parallel=parallel)
+        for c in config.compilers}
     grpo_config = trainers[config.compiler].config
     conditions = policy.example_conditions(config.prompts, torch.Generator().manual_seed(1),
                                            sequence_length=config.text_length)
@@ -310,7 +318,8 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
     def gen():
         return torch.Generator().manual_seed(config.seed + 7)
 
-    rows = [("eager", None)] + [(c, s) for c in config.compilers for s in config.schedules]
+    rows = ([("eager", None)] if parallel is None else []) + \
+        [(c, s) for c in config.compilers for s in config.schedules]
 
     def run(compiler, schedule):
         if compiler == "eager":
@@ -330,11 +339,14 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
     times = {row: [] for row in rows}
     last = {}
     ratio_errors = {row: 0.0 for row in rows}
+    syncs = {row: (0, 0) for row in rows}
     for i in range(config.repeats):
         for row in rows:
             result = run(*row)
             times[row].append((result.rollout_seconds, result.update_seconds))
             ratio_errors[row] = max(ratio_errors[row], result.ratio_error or 0.0)
+            syncs[row] = (getattr(result, "sync_collectives", 0),
+                          getattr(result, "sync_bytes", 0))
             last[row] = (_flat(result.grads), getattr(result, "retained_bytes", 0),
                          getattr(result, "buffer_bytes", 0))
             del result
@@ -346,8 +358,9 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
         grads[row], retained, buffered = last[row]
         entries[row] = _entry(done, retained, buffered)
         entries[row]["ratio_error"] = ratio_errors[row]
-    eager = entries[("eager", None)]
-    eager_grad = grads[("eager", None)]
+        entries[row]["sync_collectives"], entries[row]["sync_bytes"] = syncs[row]
+    eager = entries.get(("eager", None))
+    eager_grad = grads.get(("eager", None))
 
     num_steps = config.steps
     num_selected = TimestepSelection(
@@ -369,12 +382,14 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
             entry["fraction_of_ideal"] = entry["ratio_to_recompute"] / ideal if lean else None
             entry["fraction_of_ideal_min"] = (entry["ratio_to_recompute_min"] / ideal
                                               if lean else None)
-            entry["ratio_to_eager"] = eager["total_s"] / entry["total_s"]
-            entry["ratio_to_eager_min"] = eager["total_s_min"] / entry["total_s_min"]
+            entry["ratio_to_eager"] = (eager["total_s"] / entry["total_s"]
+                                       if eager else None)
+            entry["ratio_to_eager_min"] = (eager["total_s_min"] / entry["total_s_min"]
+                                           if eager else None)
             entry["grad_cosine"], entry["grad_rel_l2"] = _agreement(
                 grads[(compiler, schedule)], reference)
             entry["grad_cosine_to_eager"], entry["grad_rel_l2_to_eager"] = _agreement(
-                grads[(compiler, schedule)], eager_grad)
+                grads[(compiler, schedule)], eager_grad) if eager else (None, None)
             results[schedule] = entry
         by_compiler[compiler] = {"step_times": model_times, "ideal_ratio": ideal,
                                  **_best_lean(results), "schedules": results}
@@ -382,14 +397,8 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
     # The eager row, against the first compiler's recompute.
     first = by_compiler[config.compiler]
     base = first["schedules"]["recompute"]
-    eager.update(compiler=None, ratio_to_recompute=base["total_s"] / eager["total_s"],
-                 ratio_to_recompute_min=base["total_s_min"] / eager["total_s_min"],
-                 fraction_of_ideal=None, fraction_of_ideal_min=None, ratio_to_eager=1.0,
-                 ratio_to_eager_min=1.0)
-    eager["grad_cosine"], eager["grad_rel_l2"] = _agreement(
-        eager_grad, grads[(config.compiler, "recompute")])
-    eager["grad_cosine_to_eager"], eager["grad_rel_l2_to_eager"] = 1.0, 0.0
-
+    if eager:
+        _eager_row(eager, eager_grad, base, grads[(config.compiler, "recompute")])
     best = min(((c, s) for c in config.compilers for s in config.schedules),
                key=lambda row: entries[row]["total_s"])
     best_entry = entries[best]
@@ -398,19 +407,34 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
                    "selected_steps": num_selected,
                    "tokens": (config.latent // 2) ** 2 if config.model == "flux" else None,
                    "threads": torch.get_num_threads(), "device": "cpu",
+                   "world_size": world, "parallel": parallel,
                    "note": "tiny random-init model; compute dominates Python overhead at these "
                            "sizes on CPU"},
         "step_times": first["step_times"],
         "ideal_ratio": first["ideal_ratio"],
         **{k: first[k] for k in ("best_lean_schedule", "best_fraction_of_ideal",
                                  "best_lean_schedule_min", "best_fraction_of_ideal_min")},
-        "schedules": {"eager": eager, **first["schedules"]},
+        "schedules": {**({"eager": eager} if eager else {}), **first["schedules"]},
         "by_compiler": by_compiler,
         "best_configuration": {"compiler": best[0], "schedule": best[1],
                                "total_s": best_entry["total_s"],
                                "ratio_to_eager": best_entry["ratio_to_eager"],
                                "ratio_to_eager_min": best_entry["ratio_to_eager_min"]},
     }
+
+
+def _eager_row(eager, eager_grad, base, base_grad) -> None:
+    """Fill the eager row's ratios (against ``base``, the first compiler's recompute)."""
+    eager.update(compiler=None, ratio_to_recompute=base["total_s"] / eager["total_s"],
+                 ratio_to_recompute_min=base["total_s_min"] / eager["total_s_min"],
+                 fraction_of_ideal=None, fraction_of_ideal_min=None, ratio_to_eager=1.0,
+                 ratio_to_eager_min=1.0, sync_collectives=0, sync_bytes=0)
+    eager["grad_cosine"], eager["grad_rel_l2"] = _agreement(eager_grad, base_grad)
+    eager["grad_cosine_to_eager"], eager["grad_rel_l2_to_eager"] = 1.0, 0.0
+
+
+def _times(value, width: int) -> str:
+    return f"{value:{width}.3f}" if value is not None else f"{'-':>{width}s}"
 
 
 def _percent(value) -> str:
@@ -432,7 +456,7 @@ def format_table(report: dict) -> str:
     lines.append(f"{'row':20s} {'rollout s':>9s} {'update s':>8s} {'total s':>7s} {'min s':>6s} "
                  f"{'ratio':>6s} {'r. min':>6s} {'of ideal':>9s} {'id. min':>9s} "
                  f"{'x eager':>7s} {'x e. min':>8s} {'kept MiB':>8s} {'cosine':>10s} "
-                 f"{'rel L2':>8s} {'|ratio-1|':>9s}")
+                 f"{'rel L2':>8s} {'|ratio-1|':>9s} {'syncs':>5s} {'sync MiB':>8s}")
     rows = [("eager", report["schedules"]["eager"])] if "eager" in report["schedules"] else []
     for compiler, part in by_compiler.items():
         rows += [(f"{compiler}/{name}", e) for name, e in part["schedules"].items()
@@ -442,14 +466,20 @@ def format_table(report: dict) -> str:
             f"{name:20s} {e['rollout_s']:9.3f} {e['update_s']:8.3f} {e['total_s']:7.3f} "
             f"{e['total_s_min']:6.3f} {e['ratio_to_recompute']:6.3f} "
             f"{e['ratio_to_recompute_min']:6.3f} {_percent(e['fraction_of_ideal'])} "
-            f"{_percent(e['fraction_of_ideal_min'])} {e['ratio_to_eager']:7.3f} "
-            f"{e['ratio_to_eager_min']:8.3f} {e['peak_extra_bytes'] / 2**20:8.2f} "
+            f"{_percent(e['fraction_of_ideal_min'])} {_times(e['ratio_to_eager'], 7)} "
+            f"{_times(e['ratio_to_eager_min'], 8)} {e['peak_extra_bytes'] / 2**20:8.2f} "
             f"{e['grad_cosine']:10.7f} {e['grad_rel_l2']:8.2e} "
-            f"{e.get('ratio_error', float('nan')):9.2e}")
+            f"{e.get('ratio_error', float('nan')):9.2e} {e.get('sync_collectives', 0):5d} "
+            f"{e.get('sync_bytes', 0) / 2**20:8.2f}")
     lines.append("ratio: recompute's total / the row's (same compiler; eager: the first "
                  "compiler's recompute); x eager: eager's total / the row's; cosine, rel L2: "
                  "gradient against recompute's; |ratio-1|: the largest PPO ratio error of the "
-                 "on-policy update (ratio_error)")
+                 "on-policy update (ratio_error); syncs, sync MiB: gradient reductions per step "
+                 "and the bytes they carry per rank (data parallel)")
+    if cfg.get("parallel"):
+        lines.append(f"data parallel: {cfg.get('world_size')} ranks ({cfg['parallel']}, shared "
+                     "layout); no eager row (the eager FlowGRPO loop here is single-process); "
+                     "ideal ratio from the full batch's F0, F, B on one rank")
     for compiler, part in by_compiler.items():
         if part["best_lean_schedule"]:
             lines.append(f"best lean schedule ({compiler}) by median "
@@ -458,7 +488,7 @@ def format_table(report: dict) -> str:
                          f"by min {part['best_lean_schedule_min']}: "
                          f"{part['best_fraction_of_ideal_min'] * 100:.1f}%")
     best = report.get("best_configuration")
-    if best:
+    if best and best.get("ratio_to_eager") is not None:
         verdict = "faster" if best["ratio_to_eager"] > 1 else "slower"
         lines.append(f"best configuration (median total): {best['compiler']}/{best['schedule']}, "
                      f"{best['total_s']:.3f} s, {best['ratio_to_eager']:.3f}x eager "
@@ -503,8 +533,23 @@ def main(argv=None) -> int:
                              repeats=ns.repeats, compiler=compilers[0], compilers=compilers)
     except ValueError as error:
         p.error(str(error))
-    log = (lambda *a: print(*a, file=sys.stderr)) if ns.json else print
-    report = run_grpo_bench(config, log=log)
+    import torch.distributed as dist
+
+    joined = False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        # torchrun: data parallel over the launched ranks; rank 0 reports.
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        joined = True
+    quiet = dist.is_initialized() and dist.get_rank() != 0
+    log = (lambda *a: None) if quiet else \
+        (lambda *a: print(*a, file=sys.stderr)) if ns.json else print
+    try:
+        report = run_grpo_bench(config, log=log)
+    finally:
+        if joined:
+            dist.destroy_process_group()
+    if quiet:
+        return 0
     if ns.json:
         print(json.dumps(report, indent=2))
     else:
