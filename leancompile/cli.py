@@ -80,6 +80,8 @@ def _cmd_bench(ns) -> int:
         from .benchmarks.grpo import main as bench_main
     elif ns.name == "loop":
         from .benchmarks.loop import main as bench_main
+    elif ns.name == "compile":
+        from .benchmarks.compile_overhead import main as bench_main
     else:
         from .benchmarks.overlap import main as bench_main
     return bench_main(ns.rest)
@@ -108,7 +110,7 @@ def main(argv=None) -> int:
 
     b = sub.add_parser("bench", help="run a benchmark (leancompile bench grpo --help)",
                        add_help=False)
-    b.add_argument("name", choices=("grpo", "loop", "overlap"))
+    b.add_argument("name", choices=("grpo", "loop", "overlap", "compile"))
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=_cmd_bench)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.fx as fx
 
-from .report import GraphRecord, graph_code, op_counts
+from .report import GraphRecord, GraphSnapshot, graph_code, op_counts
 from .options import CompileOptions
 from .passes import PASSES, PassSpec
 from .passes.result import PassResult
@@ -41,7 +41,7 @@ class Pipeline:
             f"{s.name}{' (disabled)' if s.name in options.disable else ''}" for s in self.specs))
 
     def run(self, gm: fx.GraphModule, *, phase: str, graph_index: int = 0) -> GraphRecord:
-        before = graph_code(gm)
+        before = GraphSnapshot(gm)  # code printed only if the report is read
         counts_before = op_counts(gm)
         debug_dir = os.environ.get(DEBUG_ENV)
         dump_dir = None
@@ -59,11 +59,14 @@ class Pipeline:
             result = spec.fn(gm, self.options)
             result.seconds = time.perf_counter() - start
             results.append(result)
-            log.info("leancompile %s graph %d: %s", phase, graph_index, result.summary())
-            for site in result.skipped:
-                log.debug("leancompile %s: skipped %s", spec.name, site)
+            if log.isEnabledFor(logging.INFO):
+                log.info("leancompile %s graph %d: %s", phase, graph_index, result.summary())
+            if log.isEnabledFor(logging.DEBUG):
+                for site in result.skipped:
+                    log.debug("leancompile %s: skipped %s", spec.name, site)
             if dump_dir is not None:
                 (dump_dir / f"{i:02d}_{spec.name}_after.py").write_text(graph_code(gm))
         return GraphRecord(
-            graph_index=graph_index, phase=phase, before=before, after=graph_code(gm),
-            passes=results, op_counts_before=counts_before, op_counts_after=op_counts(gm))
+            graph_index=graph_index, phase=phase, before_snapshot=before,
+            after_snapshot=GraphSnapshot(gm), passes=results, op_counts_before=counts_before,
+            op_counts_after=op_counts(gm))

@@ -3,6 +3,7 @@ helpers that print graph code and count ops."""
 
 from __future__ import annotations
 
+import copy
 import difflib
 import html
 import json
@@ -15,8 +16,8 @@ import torch.fx as fx
 
 from .passes.result import PassResult
 
-__all__ = ["GraphRecord", "Report", "last_report", "record_report", "graph_code", "op_counts",
-           "op_count_diff"]
+__all__ = ["GraphRecord", "GraphSnapshot", "Report", "last_report", "record_report", "graph_code",
+           "op_counts", "op_count_diff"]
 
 
 def graph_code(gm: fx.GraphModule) -> str:
@@ -25,6 +26,42 @@ def graph_code(gm: fx.GraphModule) -> str:
         return gm.print_readable(print_output=False, include_stride=False, include_device=False)
     except TypeError:  # older torch without the include_* flags
         return gm.print_readable(print_output=False)
+
+
+class GraphSnapshot:
+    """A graph as it was at one moment of the pipeline: a structural copy taken at compile time
+    (cheap: nodes and their metadata, shared), its code printed only when someone reads it
+    (``str(snapshot)``; the first read caches it). Printing code is most of what a report costs,
+    and most compiles never show their report."""
+
+    __slots__ = ("_graph", "_code")
+
+    def __init__(self, gm: fx.GraphModule):
+        self._graph: fx.Graph | None = copy.deepcopy(gm.graph)
+        self._code: str | None = None
+
+    @classmethod
+    def of_code(cls, code: str) -> "GraphSnapshot":
+        snap = cls.__new__(cls)
+        snap._graph, snap._code = None, code
+        return snap
+
+    def __str__(self) -> str:
+        if self._code is None:
+            self._code = _graph_code(self._graph)
+            self._graph = None
+        return self._code
+
+
+def _graph_code(graph: fx.Graph) -> str:
+    """``GraphModule.print_readable``'s text for a bare graph."""
+    try:
+        src = graph.python_code(root_module="self", verbose=True, include_stride=False,
+                                include_device=False).src
+    except TypeError:  # older torch without the include_* flags
+        src = graph.python_code(root_module="self", verbose=True).src
+    body = "\n".join("    " + line if line.strip() else line for line in src.strip("\n").split("\n"))
+    return f"class GraphModule(torch.nn.Module):\n{body}\n"
 
 
 def op_name(node: fx.Node) -> str:
@@ -53,11 +90,21 @@ class GraphRecord:
     """Which Dynamo graph of the compile this came from (0 unless there were graph breaks)."""
     phase: str
     """``"forward"``, ``"backward"`` or ``"inference"``."""
-    before: str
-    after: str
+    before_snapshot: GraphSnapshot
+    after_snapshot: GraphSnapshot
     passes: list[PassResult]
     op_counts_before: Counter
     op_counts_after: Counter
+
+    @property
+    def before(self) -> str:
+        """The graph's code before our passes (printed on first read)."""
+        return str(self.before_snapshot)
+
+    @property
+    def after(self) -> str:
+        """The graph's code after our passes (printed on first read)."""
+        return str(self.after_snapshot)
 
     @property
     def name(self) -> str:

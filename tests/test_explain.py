@@ -144,3 +144,31 @@ def test_debug_env_dumps_every_pass(tmp_path, monkeypatch):
     assert any(d.endswith("_backward/00_canonicalize_after.py") for d in dumps)
     after = next(p for p in tmp_path.rglob("*backward/00_canonicalize_after.py")).read_text()
     assert "aten.reshape.default" in after and "aten.view.default" not in after
+
+
+def test_reports_print_graph_code_only_when_read():
+    """A compile records cheap snapshots; the code is printed on the first read (the bulk of
+    a report's cost, which compiles nobody inspects no longer pay)."""
+    model = mlp()
+    x = torch.randn(4, 16)
+    compiled = torch.compile(model, backend=leancompile.backend(compiler="aot_eager"))
+    compiled(x).sum().backward()
+    report = leancompile.last_report()
+    records = report.graphs
+    assert [r.phase for r in records] == ["forward", "backward"]
+    assert all(r.before_snapshot._code is None and r.after_snapshot._code is None
+               for r in records)
+    forward = report.graph("forward")
+    assert "aten.addmm" in forward.after and forward.after_snapshot._code is not None
+    assert forward.before_snapshot._code is None  # only what was read
+    assert "aten.addmm" in forward.before
+
+
+def test_bench_compile_measures_both_sides():
+    from leancompile.benchmarks.compile_overhead import measure
+
+    report = measure(models=("flux",), compilers=("aot_eager",), rounds=1)
+    entry = report["flux"]["aot_eager"]
+    assert entry["plain_s"] > 0 and entry["ours_s"] > 0 and entry["passes_off_s"] > 0
+    assert entry["overhead"] == entry["ours_s"] / entry["plain_s"] - 1
+    assert entry["passes_overhead"] == entry["ours_s"] / entry["passes_off_s"] - 1
