@@ -75,6 +75,12 @@ def _cmd_demo(ns) -> int:
     return run_demo(ns.name, out=ns.out)
 
 
+def _cmd_check_inputs(ns) -> int:
+    from .check_inputs import main as check_main
+
+    return check_main(ns.rest)
+
+
 def _cmd_bench(ns) -> int:
     if ns.name == "grpo":
         from .benchmarks.grpo import main as bench_main
@@ -82,6 +88,8 @@ def _cmd_bench(ns) -> int:
         from .benchmarks.loop import main as bench_main
     elif ns.name == "compile":
         from .benchmarks.compile_overhead import main as bench_main
+    elif ns.name == "soak":
+        from .benchmarks.soak import main as bench_main
     else:
         from .benchmarks.overlap import main as bench_main
     return bench_main(ns.rest)
@@ -110,9 +118,14 @@ def main(argv=None) -> int:
 
     b = sub.add_parser("bench", help="run a benchmark (leancompile bench grpo --help)",
                        add_help=False)
-    b.add_argument("name", choices=("grpo", "loop", "overlap", "compile"))
+    b.add_argument("name", choices=("grpo", "loop", "overlap", "compile", "soak"))
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=_cmd_bench)
+
+    c = sub.add_parser("check-inputs", help="the bad-input matrix: invalid arguments of every "
+                       "public entry point and the errors they raise", add_help=False)
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    c.set_defaults(func=_cmd_check_inputs)
 
     ns = parser.parse_args(argv)
     return ns.func(ns)

@@ -172,3 +172,20 @@ def test_bench_compile_measures_both_sides():
     assert entry["plain_s"] > 0 and entry["ours_s"] > 0 and entry["passes_off_s"] > 0
     assert entry["overhead"] == entry["ours_s"] / entry["plain_s"] - 1
     assert entry["passes_overhead"] == entry["ours_s"] / entry["passes_off_s"] - 1
+
+
+def test_soak_keeps_nothing_between_steps():
+    """A short soak (the command runs 200 steps): kept bytes and buffers back to 0 after every
+    step of the trainer and the wrapper, graph counts flat, no P2P exchange left pending."""
+    from leancompile.benchmarks.soak import soak
+
+    report = soak(steps=5)
+    for name in ("trainer", "wrapper"):
+        r = report[name]
+        assert r["max_kept_bytes_after_step"] == 0 and r["max_buffer_bytes_after_step"] == 0, r
+        assert r["max_kept_calls_after_step"] == 0 and r["max_sample_buffers_after_step"] == 0
+        assert r["graphs_after_warmup"][0] == r["graphs_after_warmup"][1], r
+    assert report["trainer"]["trainer_caches_after_warmup"][0] == \
+        report["trainer"]["trainer_caches_after_warmup"][1]
+    assert report["overlap"]["max_pending_after_step"] == 0
+    assert report["overlap"]["graphs"][0] == report["overlap"]["graphs"][1]
