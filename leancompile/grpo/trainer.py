@@ -430,7 +430,9 @@ class GRPOTrainer:
                            for k, v in conditions.items()]
             par.check_same("the step's conditions and generator seed",
                            f"seed {seed} schedule {schedule} chunks {chunks} {fingerprint}")
-        owner = row_owner(cfg.layout, num_prompts=num_prompts, group_size=cfg.group_size,
+        # One process: every layout is "all rows here, one prompt group after another".
+        layout = cfg.layout if par.distributed else "conventional"
+        owner = row_owner(layout, num_prompts=num_prompts, group_size=cfg.group_size,
                           world_size=par.world_size, seed=seed)
         owned = owner == par.rank
         local = owned.nonzero().flatten()
@@ -448,7 +450,7 @@ class GRPOTrainer:
         mask.scatter_(1, chunk_steps[0], True)
         example = (self._call_args(latents0, 0, cond_list, torch.arange(batch)),
                    {"noise": noise[0]})
-        units = assign(cfg.layout, num_prompts=num_prompts, group_size=cfg.group_size,
+        units = assign(layout, num_prompts=num_prompts, group_size=cfg.group_size,
                        world_size=par.world_size, rank=par.rank, seed=seed)
         plan_mask = mask[local] if local.numel() else mask
         # Reweight's gradient buffers in flight: a group's rows on this rank (the whole local
