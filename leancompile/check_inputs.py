@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["CASES", "Case", "main", "run_cases"]
+__all__ = ["Case", "cases", "main", "run_cases"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,8 @@ def _step_with(reward):
                                      torch.Generator().manual_seed(0))
 
 
-def _cases() -> list[Case]:
+def cases() -> list[Case]:
+    """The rows (built on call: they import the package's modules)."""
     import leancompile
     from .grpo.advantages import group_advantages, group_ids_for
     from .grpo.layout import assign
@@ -169,15 +170,11 @@ def _cases() -> list[Case]:
     ]
 
 
-CASES = _cases
-"""The rows (a function: building them imports the package's modules)."""
-
-
 def run_cases() -> list[dict]:
     """Run every row; returns ``{entry, problem, error, message, ok}`` per row (``ok``: one of
     the expected exception types, with ``expect`` in its text)."""
     records = []
-    for case in _cases():
+    for case in cases():
         try:
             case.call()
             error, message = None, "no error raised"

@@ -162,8 +162,6 @@ def _compile_id() -> str | None:
 def _unbound_report(options: CompileOptions, phase: str) -> Report:
     """The report of the current compile (made on its first graph) under ``install()``."""
     key = _compile_id()
-    for inst in list(_installations):
-        inst.arm()
     with _unbound_lock:
         report = _unbound.get(key) if key is not None else None
         if report is None or phase in report.phases:
@@ -299,7 +297,7 @@ class Installation:
 
     def arm(self) -> None:
         """(Re-)register the compile callbacks that report cache hits: ``torch._dynamo.reset()``
-        clears every callback, so each graph our pass sees re-arms them."""
+        clears every callback, so every compile re-arms them (through ``uuid()``)."""
         handler = torch._dynamo.callback.callback_handler
         if self.active and self._start not in handler.start_callbacks:
             handler.register_start_callback(self._start)

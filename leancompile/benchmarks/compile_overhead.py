@@ -6,8 +6,8 @@ backend (``torch.compile(backend="aot_eager")`` or ``"inductor"``) and with
 and AOTAutograd's cache off (a cache hit skips every post-grad pass), and prints the overhead:
 ours / plain - 1, by median and by min. Models:
 
-* ``flux``: the tiny diffusers FLUX transformer (1 double + 1 single block) of the tests; no
-  pass rewrites anything there, so this is the price of running the pipeline at all
+* ``flux``: the velocity of a tiny diffusers FLUX policy (1 double + 1 single block, the
+  ``bench grpo`` model shrunk); no pass rewrites anything there, so this is the price of running the pipeline at all
   (canonicalisation, matching, the report's graph snapshots).
 A third column compiles with every pass disabled: ``passes`` = ours / that - 1 is what the
 pipeline itself costs.
@@ -34,27 +34,15 @@ __all__ = ["main", "measure"]
 
 
 def _flux_step():
-    from diffusers import FluxTransformer2DModel
+    """The tiny FLUX policy's velocity (the model the trainer compiles) and its arguments."""
+    from .grpo import BenchConfig, build_policy
 
-    torch.manual_seed(0)
-    model = FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-        axes_dims_rope=[4, 4, 8], guidance_embeds=True)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.zeros(16, 3)
-    ids[:, 1] = torch.arange(4).repeat_interleave(4)
-    ids[:, 2] = torch.arange(4).repeat(4)
-    kwargs = dict(hidden_states=torch.randn(2, 16, 4, generator=g),
-                  encoder_hidden_states=torch.randn(2, 8, 32, generator=g),
-                  pooled_projections=torch.randn(2, 32, generator=g),
-                  timestep=torch.rand(2, generator=g), guidance=torch.full((2,), 3.5),
-                  img_ids=ids, txt_ids=torch.zeros(8, 3))
-
-    def step(**kw):
-        return model(**kw, return_dict=False)[0]
-
-    return step, kwargs
+    policy = build_policy(BenchConfig(layers=1, hidden=64, latent=8, steps=4))
+    kwargs = dict(latents=policy.initial_latents(2, torch.Generator().manual_seed(1)),
+                  step_index=torch.ones(2, dtype=torch.long),
+                  conditions=policy.example_conditions(2, torch.Generator().manual_seed(2),
+                                                       sequence_length=8))
+    return policy.velocity, kwargs
 
 
 def _time_compile(make, backend) -> float:

@@ -168,8 +168,7 @@ def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Ten
     from ..grpo.advantages import AdvantageConfig, group_advantages, group_ids_for
     from ..grpo.rewards import check_rewards
     from ..grpo.sde import sde_step
-    from ..grpo.layout import draw_samples
-    from ..grpo.timesteps import TimestepSelection
+    from ..grpo.layout import draw_samples, step_seed
 
     if config.beta > 0:
         raise ValueError("the eager FlowGRPO row has no KL term; use beta=0")
@@ -185,11 +184,9 @@ def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Ten
 
     # The same draws as the trainer: one base seed from the generator, then each sample's own
     # generator (trained steps, initial latent, SDE noise).
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
-    draws = draw_samples(policy, selection=TimestepSelection(
-        strategy=config.strategy, fraction=None if config.strategy == "window"
-        else config.timestep_fraction), num_prompts=num_prompts, group_size=config.group_size,
-        num_steps=num_steps, seed=seed, init_same_noise=config.init_same_noise)
+    draws = draw_samples(policy, selection=config.selection, num_prompts=num_prompts,
+                         group_size=config.group_size, num_steps=num_steps,
+                         seed=step_seed(generator), init_same_noise=config.init_same_noise)
     selected, latents, noise = draws.selected, draws.latents0, draws.noise
     sigmas = sigmas.to(latents.device)
 
@@ -294,10 +291,9 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
     """Time the eager row and every (compiler, schedule) in interleaved rounds; see the module
     docstring. The top-level ``schedules`` holds ``eager`` and the first compiler's rows;
     ``by_compiler`` every compiler's."""
-    from ..grpo.timesteps import TimestepSelection
-    from ..grpo.trainer import GRPOConfig, GRPOTrainer
-
     import torch.distributed as dist
+
+    from ..grpo.trainer import GRPOConfig, GRPOTrainer
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -363,9 +359,7 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
     eager_grad = grads.get(("eager", None))
 
     num_steps = config.steps
-    num_selected = TimestepSelection(
-        strategy=grpo_config.strategy, fraction=None if grpo_config.strategy == "window"
-        else grpo_config.timestep_fraction).num_selected(num_steps)
+    num_selected = grpo_config.selection.num_selected(num_steps)
     by_compiler = {}
     for compiler in config.compilers:
         model_times = _step_times(trainers[compiler], policy, conditions, config, gen)

@@ -40,7 +40,7 @@ import torch
 from .timesteps import TimestepSelection, select_timesteps
 
 __all__ = ["LAYOUTS", "SampleDraws", "Unit", "assign", "draw_samples", "row_owner", "sample_seed",
-           "worker_groups"]
+           "step_seed", "worker_groups"]
 
 LAYOUTS = ("conventional", "scattered", "shared")
 
@@ -53,6 +53,11 @@ def _mix(z: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
     return z ^ (z >> 31)
+
+
+def step_seed(generator: torch.Generator | None) -> int:
+    """A step's base seed: one draw from the caller's generator (torch's global one if None)."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator).item())
 
 
 def sample_seed(seed: int, prompt: int, generation: int) -> int:

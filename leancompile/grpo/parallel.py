@@ -185,11 +185,12 @@ class DataParallel:
             return list(values)
         return self._all_reduce(torch.tensor(list(values), dtype=torch.float64)).tolist()
 
-    def sync_gradients(self, grads: dict[str, torch.Tensor]) -> None:
+    def sync_gradients(self, grads: dict[str, torch.Tensor]) -> tuple[int, int]:
         """Sum ``grads`` over the ranks in place: one all-reduce of one flat buffer per dtype
-        and device."""
+        and device. Returns (collectives, bytes) issued."""
         if not self.distributed or not grads:
-            return
+            return 0, 0
+        count, nbytes = self.sync_collectives, self.sync_bytes
         buckets: dict = {}
         for name, g in grads.items():
             buckets.setdefault((g.dtype, g.device), []).append(name)
@@ -201,3 +202,4 @@ class DataParallel:
                 g = grads[n]
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+        return self.sync_collectives - count, self.sync_bytes - nbytes

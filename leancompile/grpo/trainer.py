@@ -38,7 +38,7 @@ from .advantages import AdvantageConfig, group_advantages, group_ids_for
 from .rewards import check_rewards
 from .sde import SDE_KINDS, sde_step
 from .step import PolicyStep
-from .layout import LAYOUTS, Unit, assign, draw_samples, row_owner
+from .layout import LAYOUTS, Unit, assign, draw_samples, row_owner, step_seed
 from .parallel import DataParallel
 from .timesteps import TimestepSelection
 
@@ -133,6 +133,12 @@ class GRPOConfig:
             raise ValueError(f"layout={self.layout!r}; use one of {LAYOUTS}")
 
     @property
+    def selection(self) -> TimestepSelection:
+        """The trained-step selection this config describes."""
+        return TimestepSelection(strategy=self.strategy, fraction=None
+                                 if self.strategy == "window" else self.timestep_fraction)
+
+    @property
     def strategy(self) -> str:
         if self.timestep_strategy is not None:
             return self.timestep_strategy
@@ -223,6 +229,8 @@ class _Setup:
     partitioner_budget: float | None
     budget_bytes: int
     seed: int
+    layout: str
+    """The layout in effect (``conventional`` in one process)."""
     local: torch.Tensor
     """Rows this rank generates (all rows in one process)."""
     owned: torch.Tensor
@@ -422,7 +430,7 @@ class GRPOTrainer:
 
         # One base seed per step; every sample draws from its own generator seeded by
         # (seed, prompt, generation), so where a sample runs does not change what it draws.
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+        seed = step_seed(generator)
         if par.distributed:
             fingerprint = [(k, tuple(v.shape), str(v.dtype),
                             float(v.detach().double().sum()),
@@ -436,9 +444,7 @@ class GRPOTrainer:
                           world_size=par.world_size, seed=seed)
         owned = owner == par.rank
         local = owned.nonzero().flatten()
-        selection = TimestepSelection(strategy=cfg.strategy, fraction=None
-                                      if cfg.strategy == "window" else cfg.timestep_fraction)
-        draws = draw_samples(self.policy, selection=selection, num_prompts=num_prompts,
+        draws = draw_samples(self.policy, selection=cfg.selection, num_prompts=num_prompts,
                              group_size=cfg.group_size, num_steps=num_steps, seed=seed,
                              init_same_noise=cfg.init_same_noise, rows=local.tolist())
         selected, latents0, noise = draws.selected, draws.latents0, draws.noise
@@ -455,7 +461,7 @@ class GRPOTrainer:
         plan_mask = mask[local] if local.numel() else mask
         # Reweight's gradient buffers in flight: a group's rows on this rank (the whole local
         # batch when advantages wait for everyone: global_std, or groups scattered over ranks).
-        in_flight = (plan_mask.shape[0] if cfg.layout == "scattered" and par.distributed
+        in_flight = (plan_mask.shape[0] if layout == "scattered"
                      else max([len(u.rows) for u in units] + [1]))
         schedule, reason, plans, partitioner_budget, budget_bytes = self._plans(
             keys, example, plan_mask, schedule, in_flight=in_flight)
@@ -473,8 +479,8 @@ class GRPOTrainer:
                       chunk_steps=chunk_steps, mask=mask,
                       lean=self.lean_step(keys, partitioner_budget), schedule=schedule,
                       reason=reason, plans=plans, partitioner_budget=partitioner_budget,
-                      budget_bytes=budget_bytes, seed=seed, local=local, owned=owned,
-                      units=units)
+                      budget_bytes=budget_bytes, seed=seed, layout=layout, local=local,
+                      owned=owned, units=units)
 
     def explain_schedules(self, conditions, generator=None, *, schedule=None) -> ScheduleReport:
         """What ``leancompile.explain(trainer, conditions)`` returns: ``explain``."""
@@ -528,8 +534,8 @@ class GRPOTrainer:
         # Reweight with per-group statistics updates a group as soon as it is scored, freeing
         # its gradient buffers; everything else scores the whole batch first (so do groups
         # scattered over the ranks: their rewards are gathered from everyone at once).
-        per_group = st.schedule == "reweight" and not cfg.global_std and not (
-            cfg.layout == "scattered" and par.distributed)
+        per_group = (st.schedule == "reweight" and not cfg.global_std
+                     and st.layout != "scattered")
         units = st.units if per_group else [
             Unit(prompts=tuple(range(st.num_prompts)), rows=tuple(st.local.tolist()),
                  ranks=tuple(range(par.world_size)))]
@@ -603,7 +609,7 @@ class GRPOTrainer:
         return metrics
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def save(self, run_dir) -> "Path":
+    def save(self, run_dir) -> Path:
         """Save parameters (trainable ones; peft adapters also in peft's format), optimizer
         state, random states, step count and config as ``run_dir/step_K``, atomically, and point
         ``run_dir/latest`` at it (``leancompile.grpo.checkpoint``). Collective when data
@@ -626,7 +632,7 @@ class GRPOTrainer:
 
         if config is None:
             saved = json.loads((latest_checkpoint(path) / "trainer.json").read_text())["config"]
-            fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+            fields = {f.name for f in dataclasses.fields(GRPOConfig)}
             config = GRPOConfig(**{k: tuple(v) if isinstance(v, list) else v
                                    for k, v in saved.items() if k in fields})
         trainer = cls(policy, reward_fn, optimizer, config, **kwargs)
@@ -688,10 +694,7 @@ class PendingUpdate:
             p = params[name]
             grads[name] = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
             p.grad = None
-        par = self.trainer.parallel
-        count, nbytes = par.sync_collectives, par.sync_bytes
-        par.sync_gradients(grads)
-        self.sync = (par.sync_collectives - count, par.sync_bytes - nbytes)
+        self.sync = self.trainer.parallel.sync_gradients(grads)
         return grads
 
     def restore_grads(self) -> None:

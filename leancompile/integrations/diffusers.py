@@ -149,7 +149,7 @@ def _vae_value(vae_config: Mapping | None, defaults: Mapping, key: str, policy: 
     return value
 
 
-def _unwrap_ddp(module) -> nn.Module:
+def _unwrap_model(module) -> nn.Module:
     """The model inside ``DistributedDataParallel``, ``torch.compile`` and ``lean_compile``
     wrappers."""
     from torch.nn.parallel import DistributedDataParallel
@@ -202,7 +202,7 @@ class FlowMatchPolicy(nn.Module):
 
     def __init__(self, transformer: nn.Module, *, num_inference_steps: int, guidance_scale: float):
         super().__init__()
-        base = _unwrap_ddp(transformer)
+        base = _unwrap_model(transformer)
         if not isinstance(base, self._transformer_class):
             raise TypeError(
                 f"{type(self).__name__} wraps a diffusers {self._transformer_class.__name__}, got "
@@ -225,7 +225,7 @@ class FlowMatchPolicy(nn.Module):
     @property
     def base_transformer(self) -> nn.Module:
         """The diffusers transformer (``transformer.module`` when it is wrapped in DDP)."""
-        return _unwrap_ddp(self.transformer)
+        return _unwrap_model(self.transformer)
 
     # ---- schedule -------------------------------------------------------------------------
 
@@ -440,7 +440,7 @@ class FluxPolicy(FlowMatchPolicy):
                  vae_config: Mapping | None = None, vae_scale_factor: int | None = None):
         super().__init__(transformer, num_inference_steps=num_inference_steps,
                          guidance_scale=guidance_scale)
-        config = _unwrap_ddp(transformer).config
+        config = _unwrap_model(transformer).config
         self._set_image_size(height, width, vae_scale_factor, vae_config, _FLUX_VAE)
         multiple = 2 * self.vae_scale_factor
         _check_multiples(self.height, self.width, multiple, multiple,
@@ -560,7 +560,7 @@ class SD3Policy(FlowMatchPolicy):
                  vae_config: Mapping | None = None, vae_scale_factor: int | None = None):
         super().__init__(transformer, num_inference_steps=num_inference_steps,
                          guidance_scale=guidance_scale)
-        config = _unwrap_ddp(transformer).config
+        config = _unwrap_model(transformer).config
         self._set_image_size(height, width, vae_scale_factor, vae_config, _SD3_VAE)
         patch = config.patch_size
         multiple = self.vae_scale_factor * patch
@@ -678,7 +678,7 @@ class WanPolicy(FlowMatchPolicy):
                               f"this is diffusers {diffusers.__version__}")
         super().__init__(transformer, num_inference_steps=num_inference_steps,
                          guidance_scale=guidance_scale)
-        config = _unwrap_ddp(transformer).config
+        config = _unwrap_model(transformer).config
         if vae_scale_factor_spatial is None:
             vae_scale_factor_spatial = _vae_value(
                 vae_config, _WAN_VAE, "scale_factor_spatial", "WanPolicy")
