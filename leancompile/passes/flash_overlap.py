@@ -52,11 +52,13 @@ import contextlib
 import dataclasses
 import logging
 import math
+import operator
 import os
 import warnings
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .flash_overlap_match import (AG_SITE, RS_SITE, AllGatherMatch, ReduceScatterMatch,
                                   find_all_gather_matches, find_reduce_scatter_matches,
@@ -89,15 +91,98 @@ def _operands(mm: fx.Node):
     return None, mm.args[0], mm.args[1]
 
 
-def _trace(fn, inputs: list) -> fx.GraphModule:
-    """``fn`` over the fake values of ``inputs`` (nodes, or SymInts the schedule needs that are
-    not a size of one of its tensors: they become inputs of the traced graph, as make_fx only
-    traces sizes it can derive from its inputs), traced to aten (with Inductor's
-    decompositions, like the graph it goes into)."""
-    from torch._inductor.pattern_matcher import fwd_only
+def _trace(fn, inputs: list) -> fx.Graph:
+    """``fn`` run once over the fake values of the nodes ``inputs``, every aten and P2P op it
+    dispatches recorded as a node of a new graph (placeholders for ``inputs``, an output for
+    what ``fn`` returns).
 
-    with _raw_sizes_bound_later():
-        return fwd_only(fn, [_val(n) if isinstance(n, fx.Node) else n for n in inputs])
+    The schedules are straight-line tensor code with Python control flow over ints only, so
+    one run records them whole. This is what ``make_fx`` would produce (ops below autograd, the
+    composite ones such as ``reshape`` already decomposed, ``meta["val"]`` on every node) at a
+    fraction of its cost, with Inductor's decompositions, like the graph it goes into (Inductor
+    refuses ops it decomposes itself, e.g. ``aten.t``). SymInts computed from sizes stay raw
+    values in the recorded args; ``_bind_symbolic_sizes`` turns them into nodes.
+    """
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    values = [_val(n) for n in inputs]
+    fake_mode = detect_fake_mode(values) or FakeTensorMode()
+    graph = fx.Graph()
+    recorder = _Recorder(graph, select_decomp_table())
+    for i, value in enumerate(values):
+        node = graph.placeholder(f"arg{i}")
+        node.meta["val"] = value
+        recorder.bind(value, node)
+    with torch.no_grad(), fake_mode, recorder, _raw_sizes_bound_later():
+        out = fn(*values)
+    graph.output(recorder.node_of_tree(out))
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops
+
+    remove_noop_ops(graph)
+    graph.eliminate_dead_code()
+    return graph
+
+
+class _Recorder(TorchDispatchMode):
+    """Records each op dispatched under it as a node of ``graph``, or the ops its entry in
+    ``decompositions`` issues; tensors are mapped to the nodes that produced them by identity
+    (every recorded value is kept alive, so an id is never reused while recording)."""
+
+    def __init__(self, graph: fx.Graph, decompositions: dict):
+        super().__init__()
+        self.graph = graph
+        self.decompositions = decompositions
+        self.nodes: dict[int, fx.Node] = {}
+        self.alive: list = []
+
+    def bind(self, tensor: torch.Tensor, node: fx.Node) -> None:
+        self.nodes[id(tensor)] = node
+        self.alive.append(tensor)
+
+    def node_of_tree(self, tree):
+        from torch.fx.node import map_aggregate
+
+        def node_of(value):
+            if not isinstance(value, torch.Tensor):
+                return value
+            try:
+                return self.nodes[id(value)]
+            except KeyError:
+                raise _Unsupported("the schedule read a tensor that is neither an input nor "
+                                   "made by a recorded op") from None
+
+        return map_aggregate(tree, node_of)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        decomposition = self.decompositions.get(func)
+        if decomposition is not None:
+            with self:
+                out = decomposition(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        node = self.graph.call_function(func, self.node_of_tree(args), self.node_of_tree(kwargs))
+        node.meta["val"] = out
+        if isinstance(out, torch.Tensor):
+            self.bind_result(func, out, node)
+        elif isinstance(out, (tuple, list)):
+            for i, item in enumerate(out):
+                if isinstance(item, torch.Tensor):
+                    item_node = self.graph.call_function(operator.getitem, (node, i))
+                    item_node.meta["val"] = item
+                    self.bind_result(func, item, item_node)
+        return out
+
+    def bind_result(self, func, tensor: torch.Tensor, node: fx.Node) -> None:
+        """An op that returns one of its inputs as it is (``to`` a dtype it already has) leaves
+        that tensor bound to the node that made it; the schedules mutate nothing."""
+        if id(tensor) not in self.nodes:
+            self.bind(tensor, node)
+        elif func._schema.is_mutable:
+            raise _Unsupported(f"the schedule mutates a tensor in place ({func})")
 
 
 @contextlib.contextmanager
@@ -113,15 +198,14 @@ SITE_META = "flash_overlap_site"
 """``meta`` key on every node a rewrite inserts: the name of the collective it replaced."""
 
 
-def _inline(graph: fx.Graph, sub: fx.GraphModule, inputs: list, before: fx.Node, site: str):
+def _inline(graph: fx.Graph, sub: fx.Graph, inputs: list, before: fx.Node, site: str):
     """Copy ``sub``'s nodes into ``graph`` before ``before``, its placeholders bound to
-    ``inputs`` (a SymInt input is copied in as a raw value, which ``_bind_symbolic_sizes``
-    turns into nodes), each tagged with ``meta[SITE_META] = site``; returns the copied output
+    ``inputs``, each tagged with ``meta[SITE_META] = site``; returns the copied output
     values (a list)."""
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    placeholders = [n for n in sub.nodes if n.op == "placeholder"]
     val_map = dict(zip(placeholders, inputs))
     with graph.inserting_before(before), _raw_sizes_bound_later():
-        out = graph.graph_copy(sub.graph, val_map)
+        out = graph.graph_copy(sub, val_map)
     for old, new in val_map.items():
         if old.op != "placeholder" and isinstance(new, fx.Node):
             new.meta[SITE_META] = site
@@ -443,16 +527,11 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
         return False
     in_shape = list(reduced_shape[:-1]) + [_val(a).shape[-1]]
     group, dim, m = match.group_name, match.scatter_dim, chunks_per_rank
-    # Symbolic sizes of the reshape are inputs of the traced schedule (make_fx traces only
-    # sizes it can derive from its inputs: 2*s from a (2*s, K) operand, not s).
-    sizes = [size for size in in_shape if isinstance(size, torch.SymInt)]
-    inputs = [a, b] + ([bias] if bias is not None else []) + sizes
+    inputs = [a, b] + ([bias] if bias is not None else [])
 
     def schedule(a_, b_, *rest):
         h, w = (b_.t(), a_.t()) if transposed else (a_, b_)
-        traced = iter(rest[len(rest) - len(sizes):])
-        h = h.reshape([next(traced) if isinstance(size, torch.SymInt) else size
-                       for size in in_shape])
+        h = h.reshape(in_shape)  # symbolic sizes stay raw: _bind_symbolic_sizes binds them
         bias_ = rest[0] if bias is not None else None
         if overlap == "slice":
             return sliced_matmul_reduce_scatter(h, w, group_name=group, scatter_dim=dim,
