@@ -11,6 +11,8 @@ COMPILERS = ("inductor", "aot_eager")
 # Values later passes will accept; until they land, anything but None is refused with a reason.
 _OVERLAP_VALUES: tuple = (None, "flash", "slice")
 _VARIANTS = ("ring", "direct")
+_MODE_OF_OPTION = {"variant": "flash", "chunks_per_rank": "flash", "chunks": "slice"}
+"""The overlap mode each mode-specific option belongs to."""
 _SCHEDULE_VALUES: tuple = (None, "auto", "retain", "reweight", "recompute")
 _ON_ERROR_VALUES = ("skip", "raise")
 
@@ -34,15 +36,16 @@ class CompileOptions:
     """Communication/compute overlap: ``"flash"`` (FlashOverlap: decomposed P2P schedules),
     ``"slice"`` (the data-slicing baseline, ``chunks`` async collectives) or None (off)."""
 
-    variant: str = "ring"
-    """Flash reduce-scatter: ``"ring"`` (partials accumulate along the ring) or ``"direct"``
-    (each partial sent to its owner, local reduce)."""
+    variant: str | None = None
+    """Flash reduce-scatter: ``"ring"`` (the default: partials accumulate along the ring) or
+    ``"direct"`` (each partial sent to its owner, local reduce). ``overlap="flash"`` only."""
 
-    chunks_per_rank: int = 1
-    """Flash: slices per rank (the sequence is cut into ``world_size * chunks_per_rank``)."""
+    chunks_per_rank: int | None = None
+    """Flash: slices per rank (the sequence is cut into ``world_size * chunks_per_rank``;
+    default 1). ``overlap="flash"`` only."""
 
-    chunks: int = 2
-    """Slice: chunks of the data-slicing baseline."""
+    chunks: int | None = None
+    """Slice: chunks of the data-slicing baseline (default 2). ``overlap="slice"`` only."""
 
     on_error: str = "skip"
     """What a pass does when rewriting a site raises: ``"skip"`` leaves that site as it was,
@@ -74,13 +77,20 @@ class CompileOptions:
         if self.overlap not in _OVERLAP_VALUES:
             raise ValueError(
                 f"overlap={self.overlap!r} is not supported; use one of {_OVERLAP_VALUES}")
-        if self.variant not in _VARIANTS:
+        if self.variant is not None and self.variant not in _VARIANTS:
             raise ValueError(f"variant={self.variant!r} is not supported; use one of "
                              f"{_VARIANTS}")
         for name in ("chunks_per_rank", "chunks"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        for name, mode in _MODE_OF_OPTION.items():
+            if getattr(self, name) is not None and self.overlap != mode:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} applies to overlap={mode!r} only; with "
+                    f"overlap={self.overlap!r} it would be ignored: drop it, or pass "
+                    f"overlap={mode!r}")
         if self.on_error not in _ON_ERROR_VALUES:
             raise ValueError(f"on_error={self.on_error!r} is not supported; use one of "
                              f"{_ON_ERROR_VALUES}")
@@ -96,6 +106,21 @@ class CompileOptions:
             raise TypeError(
                 f"unknown leancompile option(s) {unknown}; the options are {names}")
         return cls(**kwargs)
+
+    @property
+    def flash_variant(self) -> str:
+        """The Flash reduce-scatter variant in effect (``variant`` or its default)."""
+        return self.variant or "ring"
+
+    @property
+    def flash_chunks_per_rank(self) -> int:
+        """Flash slices per rank in effect (``chunks_per_rank`` or its default)."""
+        return self.chunks_per_rank or 1
+
+    @property
+    def slice_chunks(self) -> int:
+        """Chunks of the slicing baseline in effect (``chunks`` or its default)."""
+        return self.chunks or 2
 
     def cache_key(self) -> dict:
         """Everything that changes what the passes produce, as plain JSON-able data."""

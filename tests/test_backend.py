@@ -143,6 +143,17 @@ def test_unknown_option_and_pass_name_are_clear_errors():
         leancompile.backend(overlap="flash", chunks_per_rank=0)
     with pytest.raises(ValueError, match="variant='tree'"):
         leancompile.backend(overlap="flash", variant="tree")
+    # an option of another overlap mode would be accepted and ignored: refused, naming the mode
+    with pytest.raises(ValueError, match=r"chunks=4 applies to overlap='slice' only; with "
+                                         r"overlap='flash' it would be ignored"):
+        leancompile.backend(overlap="flash", chunks=4)
+    with pytest.raises(ValueError, match=r"chunks_per_rank=2 applies to overlap='flash' only; "
+                                         r"with overlap='slice'"):
+        leancompile.lean_compile(mlp(), overlap="slice", chunks_per_rank=2)
+    with pytest.raises(Exception, match=r"variant='direct' applies to overlap='flash' only; "
+                                        r"with overlap=None"):  # Dynamo wraps backend errors
+        torch.compile(mlp(), backend="leancompile", options={"variant": "direct"})(
+            torch.randn(2, 16))
     with pytest.raises(TypeError, match="needs a function or module"):
         leancompile.lean_compile(42)
     model = mlp()

@@ -493,3 +493,37 @@ def test_pass_adds_the_guard_in_a_forward_graph_and_skips_in_a_backward_one(grou
     seq = next(iter(shape_env.guards[before].expr.free_symbols))
     assert str(shape_env.guards[before].expr) == f"Eq(Mod(4*{seq}, 8), 0)"
     assert c10d.all_gather_into_tensor.default not in [n.target for n in fw.graph.nodes]
+
+
+def test_all_reduce_only_graph_is_reported_without_a_warning(group, caplog):
+    """A graph whose only collective is an all-reduce (a DTensor optimizer step, a loss
+    average) has nothing for FlashOverlap: the report names the all-reduce as left to the
+    backend, and no "rewrote none" warning is logged (it was, on every compile). A graph with
+    an all-gather the pass could not rewrite still warns."""
+    import logging
+
+    from leancompile.options import CompileOptions
+    from leancompile.passes.flash_overlap import flash_overlap_pass
+
+    options = CompileOptions(compiler="aot_eager", overlap="flash")
+
+    def reduce_only(x, w):
+        return funcol.all_reduce(x @ w, "sum", group)
+
+    fw, _ = compile_graphs(reduce_only, torch.randn(8, 16, requires_grad=True),
+                           torch.randn(16, 8, requires_grad=True))
+    with caplog.at_level(logging.WARNING, logger="leancompile"):
+        result = flash_overlap_pass(fw, options)
+    [skip] = result.skipped
+    assert "all_reduce" in skip.node and "leaves it to the backend" in skip.reason, skip
+    assert not [r for r in caplog.records if "rewrote none" in r.getMessage()]
+
+    def gather_no_matmul(x, w):
+        return funcol.all_gather_single(x, 0, group).relu() * w.sum()
+
+    fw, _ = compile_graphs(gather_no_matmul, torch.randn(8, 16, requires_grad=True),
+                           torch.randn(16, 8, requires_grad=True))
+    with caplog.at_level(logging.WARNING, logger="leancompile"):
+        flash_overlap_pass(fw, options)
+    [warning] = [r.getMessage() for r in caplog.records if "rewrote none" in r.getMessage()]
+    assert "rewrote none of the 1 all-gathers and reduce-scatters" in warning, warning

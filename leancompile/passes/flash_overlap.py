@@ -626,8 +626,8 @@ class _SiteError(Exception):
 def _rewrite_graph(gm: fx.GraphModule, options, result: PassResult, failed: dict[str, str], *,
                    raise_errors: bool) -> None:
     overlap = options.overlap
-    m = options.chunks_per_rank if overlap == "flash" else 1
-    divisor = m if overlap == "flash" else options.chunks
+    m = options.flash_chunks_per_rank if overlap == "flash" else 1
+    divisor = m if overlap == "flash" else options.slice_chunks
     graph = gm.graph
     collectives = [n for n in graph.nodes if n.op == "call_function" and getattr(
         n.target, "namespace", "") == "_c10d_functional" and "wait" not in str(n.target)]
@@ -657,7 +657,7 @@ def _rewrite_graph(gm: fx.GraphModule, options, result: PassResult, failed: dict
         with _attributed(name):
             _add_guard(match.needs_guard, match.shard)
             rewrite_all_gather(gm, match, chunks_per_rank=m, overlap=overlap,
-                               chunks=options.chunks, result=result)
+                               chunks=options.slice_chunks, result=result)
     for match in find_reduce_scatter_matches(graph, result, divisor=divisor,
                                              allow_guards=allow_guards, on_error=on_err):
         name = match.reduce_scatter.name
@@ -667,18 +667,20 @@ def _rewrite_graph(gm: fx.GraphModule, options, result: PassResult, failed: dict
             continue
         with _attributed(name):
             _add_guard(match.needs_guard, match.matmul)
-            rewrite_reduce_scatter(gm, match, chunks_per_rank=m, variant=options.variant,
-                                   overlap=overlap, chunks=options.chunks, result=result)
+            rewrite_reduce_scatter(gm, match, chunks_per_rank=m,
+                                   variant=options.flash_variant, overlap=overlap,
+                                   chunks=options.slice_chunks, result=result)
     with _attributed(_WHOLE_GRAPH):
         _insert_probes(graph, result, overlap)
         if result.rewritten:
             _bind_symbolic_sizes(graph)
         graph.lint()
         gm.recompile()
-    if not result.rewritten and collectives:
-        log.warning("leancompile: overlap=%r rewrote none of the %d collectives in this graph; "
-                    "see explain() for the reasons: %s", overlap, len(collectives),
-                    "; ".join(str(s) for s in result.skipped) or "none matched")
+    candidates = [n for n in collectives if n.target in handled]
+    if not result.rewritten and candidates:  # all-reduces alone: nothing for the pass, no noise
+        log.warning("leancompile: overlap=%r rewrote none of the %d all-gathers and "
+                    "reduce-scatters in this graph; see explain() for the reasons: %s", overlap,
+                    len(candidates), "; ".join(str(s) for s in result.skipped) or "none matched")
 
 
 @contextlib.contextmanager
