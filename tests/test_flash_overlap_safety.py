@@ -418,8 +418,9 @@ def _inductor_worker(rank, world, init_file, out_dir):
         records["fsdp-mixed-precision"] = _compare_to_plain(
             model, list(model.parameters()), seq_input((4, 32, 64)), "inductor", calls=2)
         model, params = _dtensor_mlp(world)
-        records["tp-autocast-bf16"] = _compare_to_plain(
-            model, params, seq_input((2, 16, 32)), "inductor", autocast=True, calls=2)
+        for compiler in ("inductor", "aot_eager"):
+            records[f"tp-autocast-bf16-{compiler}"] = _compare_to_plain(
+                model, params, seq_input((2, 16, 32)), compiler, autocast=True, calls=2)
         fn, params = _double_gather(world)
         for compiler in ("aot_eager", "inductor"):
             records[f"double-gather-{compiler}"] = _compare_to_plain(
@@ -468,11 +469,20 @@ def _bf16_close(rec, slack=2.0, floor=2 ** -6):
 def test_bf16_cast_autocast_and_fsdp_mixed_precision_under_inductor(inductor_run):
     for rank, records in enumerate(inductor_run):
         for name in ("cast-inductor-no_grad", "cast-aot_eager-no_grad", "cast-inductor-train",
-                     "fsdp-mixed-precision", "tp-autocast-bf16"):
+                     "fsdp-mixed-precision", "tp-autocast-bf16-inductor",
+                     "tp-autocast-bf16-aot_eager"):
             rec = records[name]
             assert _bf16_close(rec), (rank, name, rec["flash"], rec["plain"])
             assert any(s.get("rewritten") for s in rec["sites"]) or all(
                 s["graph"] == "cached" for s in rec["sites"]), (rank, name, rec["sites"])
+        # Autocast: a cast sits between each fp32 gather and its bf16 matmul (forward; the
+        # shard is cast before it is sent) and between each bf16 matmul and its fp32
+        # reduce-scatter (backward; each partial is cast): every site rewritten, none skipped.
+        for compiler in ("inductor", "aot_eager"):
+            for s in records[f"tp-autocast-bf16-{compiler}"]["sites"]:
+                if s["graph"] != "cached":
+                    assert sorted(s["rewritten"]) == [AG, RS], s
+                    assert all("leaves it to the backend" in r for r in s["skipped"]), s
         # Mixed-precision FSDP: the bf16 weights are gathered through the schedule, and the
         # weight gradients reduce-scattered through it.
         fsdp = records["fsdp-mixed-precision"]

@@ -345,15 +345,35 @@ def rewrite_all_gather(gm: fx.GraphModule, match: AllGatherMatch, *, chunks_per_
     output the gather dim slices with this rank's Flash-AG schedule (or the sliced baseline):
     input gathers (rows of the output, ``kind="ag_input"``) and weight gathers (columns of the
     output, ``kind="ag_weight"``); see the module docstring."""
+    shard = match.shard
     try:
+        if match.cast is not None:
+            match = dataclasses.replace(match, shard=_cast_shard(gm.graph, match))
         uses, inputs, schedule = (_weight_gather_plan if match.kind == "ag_weight" else
                                   _input_gather_plan)(match, chunks_per_rank, overlap, chunks)
         _inline_all_gather(gm.graph, match, uses, inputs, schedule)
     except _Unsupported as err:
+        if match.shard is not shard:
+            _erase_if_dead(gm.graph, [match.shard])
         result.skip(match.all_gather, AG_SITE, str(err))
         return False
     result.rewrite(match.all_gather, AG_SITE)
     return True
+
+
+def _cast_shard(graph: fx.Graph, match: AllGatherMatch) -> fx.Node:
+    """The shard cast as the matmuls read the gathered tensor (``match.cast``), placed right
+    after the shard: the schedule sends it in the matmul dtype."""
+    from torch._guards import detect_fake_mode
+
+    cast = match.cast
+    with graph.inserting_after(match.shard):
+        node = graph.call_function(cast.target, (match.shard, *cast.args[1:]), dict(cast.kwargs))
+    shard = _val(match.shard)
+    with detect_fake_mode([shard]) or contextlib.nullcontext():
+        node.meta["val"] = cast.target(shard, *cast.args[1:], **cast.kwargs)
+    node.meta[SITE_META] = match.all_gather.name
+    return node
 
 
 def _input_gather_plan(match: AllGatherMatch, m: int, overlap: str, chunks: int):
@@ -456,11 +476,10 @@ def _inline_all_gather(graph: fx.Graph, match: AllGatherMatch, uses, inputs, sch
             use.node.replace_all_uses_with(flat)
     if keep:
         match.gathered.replace_all_uses_with(outs[-1])
-    _detach_metadata_readers([match.all_gather, match.wait, match.gathered,
-                              *match.reassembly, *via, *(u.node for u in uses)])
-    _erase_if_dead(graph, [u.node for u in uses] + via + list(match.reassembly))
-    _erase_if_dead(graph, [match.gathered, match.wait])
-    _erase_if_dead(graph, [match.wait, match.all_gather])
+    replaced = [match.all_gather, match.wait, match.gathered, *match.reassembly, *via,
+                *(u.node for u in uses)]
+    _detach_metadata_readers(replaced)
+    _erase_if_dead(graph, replaced)  # last first: each is erased once its readers are
     if not getattr(match.all_gather, "_erased", False):
         raise AssertionError(f"{match.all_gather.name} is still read after the rewrite")
 
@@ -507,7 +526,8 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
     mm_shape = tuple(_val(match.matmul).shape)
     dims = tuple(frozenset(d) for d in match.dims)
     product = (frozenset({"M"}), frozenset({"N"}))
-    if all(n.target in _RESHAPES for n in match.via) and \
+    layout = [n for n in match.via if n not in match.casts]  # casts commute with layouts
+    if all(n.target in _RESHAPES for n in layout) and \
             mm_shape == (math.prod(reduced_shape[:-1]), reduced_shape[-1]):
         transposed = False   # a reshape of the product's leading dims (or none)
     elif dims == product and mm_shape == reduced_shape:
@@ -516,7 +536,7 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
         transposed = True    # the reduced tensor is the product transposed: B^T A^T
     else:
         result.skip(site, RS_SITE, f"the layout between {match.matmul.name} {mm_shape} and the "
-                    f"reduce-scatter input {reduced_shape} ({_describe_via(match.via)}) is not a "
+                    f"reduce-scatter input {reduced_shape} ({_describe_via(layout)}) is not a "
                     "reshape of the leading dims, the product, or (without bias) its transpose")
         return False
     expected = list(reduced_shape)
@@ -528,6 +548,7 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
     in_shape = list(reduced_shape[:-1]) + [_val(a).shape[-1]]
     group, dim, m = match.group_name, match.scatter_dim, chunks_per_rank
     inputs = [a, b] + ([bias] if bias is not None else [])
+    out_dtype = _val(match.reduced).dtype if match.casts else None
 
     def schedule(a_, b_, *rest):
         h, w = (b_.t(), a_.t()) if transposed else (a_, b_)
@@ -535,9 +556,10 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
         bias_ = rest[0] if bias is not None else None
         if overlap == "slice":
             return sliced_matmul_reduce_scatter(h, w, group_name=group, scatter_dim=dim,
-                                                chunks=chunks, bias=bias_)
+                                                chunks=chunks, bias=bias_, out_dtype=out_dtype)
         return flash_matmul_reduce_scatter(h, w, group_name=group, scatter_dim=dim,
-                                           variant=variant, chunks_per_rank=m, bias=bias_)
+                                           variant=variant, chunks_per_rank=m, bias=bias_,
+                                           out_dtype=out_dtype)
 
     sub = _trace(schedule, inputs)
     (out,) = _inline(graph, sub, inputs, match.wait, site.name)

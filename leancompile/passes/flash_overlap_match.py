@@ -41,6 +41,19 @@ cat on dim 0 (the dynamic-shape backward spells the split as N ``slice`` nodes):
     rs = reduce_scatter_tensor(c, "sum", N, "0")
     o  = wait_tensor(rs)
 
+Autocast puts a dtype cast between an fp32 gather and its bf16 matmuls, and between a bf16
+matmul and its fp32 reduce-scatter (the backward of an autocast column-parallel layer). A cast
+that is the only reader of the gathered tensor becomes the match's ``gathered`` (``cast``: the
+rewrite casts the shard before sending it); casts between a matmul and its reduce-scatter are in
+``via`` (``casts``: each partial product is cast before it is sent)::
+
+    g  = wait_tensor(all_gather_into_tensor(x, N, "0"))      # f32
+    c  = convert_element_type(g, bf16)
+    y  = mm(c, w)                                            # bf16
+    ...
+    d  = mm(dy, w2)                                          # bf16
+    o  = wait_tensor(reduce_scatter_tensor(convert_element_type(d, f32), "sum", N, "0"))
+
 Weight-gradient matmul feeding the gradient reduce-scatter, ``kind="rs_weight_grad"`` (the
 FSDP-style backward; DTensor puts transposes and a view between)::
 
@@ -193,6 +206,10 @@ class AllGatherMatch:
     consumers: tuple[MatmulUse, ...]
     other_users: tuple[fx.Node, ...] = ()
     needs_guard: sympy.Basic | None = None
+    cast: fx.Node | None = None
+    """A dtype cast that is the only reader of the gathered tensor (autocast: bf16 matmuls of
+    an fp32 activation); then ``gathered`` is the cast and the rewrite casts the shard before
+    sending it (the same values, element by element; half the bytes from fp32 to bf16)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,6 +239,10 @@ class ReduceScatterMatch:
     shape: tuple
     needs_guard: sympy.Basic | None = None
     dims: tuple[frozenset, ...] = ()
+    casts: tuple[fx.Node, ...] = ()
+    """The dtype casts in ``via`` (autocast: an fp32 reduce-scatter of a bf16 matmul's result);
+    the rewrite casts each partial product to ``reduced``'s dtype before it is sent or summed,
+    as the original cast the whole product before reducing it."""
 
 
 class _Skip(Exception):
@@ -312,6 +333,9 @@ def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
     gathered, gather_dim, reassembly = _all_gather_reassembly(wait, group_size)
     shape = _shape(gathered)
     _check_trim(gathered, gather_dim, shape, group_size, divisor)
+    cast = _only_cast(gathered)
+    if cast is not None:  # autocast: the matmuls read a cast of the gathered tensor; casting the
+        gathered = cast   # shard before the gather is the same, element by element
 
     uses, others = _matmul_uses(gathered, gather_dim)
     if not uses:
@@ -354,7 +378,26 @@ def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
         kind=kind, all_gather=ag, wait=wait, shard=shard, gathered=gathered,
         gather_dim=gather_dim, group_name=group_name, group_size=group_size, shape=shape,
         reassembly=reassembly, consumers=tuple(uses), other_users=tuple(others),
-        needs_guard=needs_guard)
+        needs_guard=needs_guard, cast=cast)
+
+
+def _only_cast(node: fx.Node) -> fx.Node | None:
+    """The dtype cast that is the only reader of ``node`` (not an output either), or None."""
+    readers = _readers(node, keep_output=True)
+    if len(readers) == 1 and _is_cast(readers[0]) and readers[0].args[0] is node:
+        return readers[0]
+    return None
+
+
+def _is_cast(node: fx.Node) -> bool:
+    """A dtype conversion and nothing else: ``prims.convert_element_type`` (Inductor's
+    decomposition) or ``aten._to_copy`` with only ``dtype`` (same device, layout, format)."""
+    if node.op != "call_function":
+        return False
+    if node.target is torch.ops.prims.convert_element_type.default:
+        return True
+    return (node.target is aten._to_copy.default and len(node.args) == 1
+            and set(node.kwargs) == {"dtype"})
 
 
 def _all_gather_reassembly(wait: fx.Node, n: int) -> tuple[fx.Node, int, tuple[fx.Node, ...]]:
@@ -485,7 +528,7 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
 
     chain: list[fx.Node] = []
     node = reduced
-    while node.op == "call_function" and node.target in _PASS_THROUGH:
+    while node.op == "call_function" and (node.target in _PASS_THROUGH or _is_cast(node)):
         chain.append(node)
         node = node.args[0]
     if node.op != "call_function" or node.target not in _MATMULS:
@@ -527,7 +570,8 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
         kind="rs_weight_grad" if weight_grad else "rs_output", matmul=matmul, dim=dim, via=via,
         reduced=reduced, reassembly=reassembly, reduce_scatter=rs, wait=wait,
         reduce_op=str(reduce_op), scatter_dim=scatter_dim, group_name=group_name,
-        group_size=group_size, shape=shape, needs_guard=needs_guard, dims=tags)
+        group_size=group_size, shape=shape, needs_guard=needs_guard, dims=tags,
+        casts=tuple(n for n in via if _is_cast(n)))
 
 
 def _reduce_scatter_reassembly(rs: fx.Node, n: int) -> tuple[fx.Node, int, tuple[fx.Node, ...]]:
@@ -734,7 +778,7 @@ def _same(a, b) -> bool:
 def _propagate(node: fx.Node, tags: tuple[frozenset, ...]) -> tuple[frozenset, ...] | None:
     """Dim tags of ``node``'s output from those of its input (None: cannot follow)."""
     target = node.target
-    if target in _SAME_LAYOUT:
+    if target in _SAME_LAYOUT or _is_cast(node):
         return tags
     if target is aten.t.default:
         return tags[::-1] if len(tags) == 2 else tags

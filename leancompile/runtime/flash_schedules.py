@@ -292,14 +292,17 @@ def _check_rs(fn: str, h: Tensor, w: Tensor, scatter_dim: int, n: int, pieces: i
     return d, size
 
 
-def _partial(h: Tensor, w: Tensor, b: Tensor | None, d: int, ranges) -> Tensor:
+def _partial(h: Tensor, w: Tensor, b: Tensor | None, d: int, ranges,
+             out_dtype: torch.dtype | None = None) -> Tensor:
     """The rows (or, for the last dim, the columns) ``ranges`` = [(start, length)] of h @ w + b
-    along output dim d, concatenated in that order."""
+    along output dim d, concatenated in that order, cast to ``out_dtype`` when given."""
     if d == h.dim() - 1:
         wc = _cat([w.narrow(1, s, n) for s, n in ranges], 1)
         bc = None if b is None else _cat([b.narrow(-1, s, n) for s, n in ranges], -1)
-        return _linear(h, wc, bc)
-    return _linear(_cat([h.narrow(d, s, n) for s, n in ranges], d), w, b)
+        y = _linear(h, wc, bc)
+    else:
+        y = _linear(_cat([h.narrow(d, s, n) for s, n in ranges], d), w, b)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,11 +445,14 @@ def _flash_ag(shard: Tensor, d: int, m: int, group_name: str, compute, *, out_di
 
 def flash_matmul_reduce_scatter(h: Tensor, w: Tensor, *, group_name: str, scatter_dim: int = 0,
                                 variant: str = "ring", chunks_per_rank: int = 1,
-                                bias: Tensor | None = None) -> Tensor:
+                                bias: Tensor | None = None,
+                                out_dtype: torch.dtype | None = None) -> Tensor:
     """``reduce_scatter_tensor(h @ w (+ bias), "sum", scatter_dim)`` with the reduce-scatter
     decomposed into P2P steps (``flash_rs_steps``): ``variant="ring"`` accumulates along the
     ring, ``"direct"`` sends every partial to its owner and sums locally. Every rank adds
-    ``bias`` before the sum, as ``addmm -> reduce_scatter`` does.
+    ``bias`` before the sum, as ``addmm -> reduce_scatter`` does. ``out_dtype``: each partial
+    product is cast to it before it is sent or summed (autocast's fp32 reduce-scatter of a
+    bf16 matmul: ``reduce_scatter((h @ w).float())``).
 
     ``h``: (..., K), ``w``: (K, N). ``scatter_dim`` is a dim of the output (the last one slices
     the columns of ``w``). The result equals the collective up to float summation order (see
@@ -459,11 +465,11 @@ def flash_matmul_reduce_scatter(h: Tensor, w: Tensor, *, group_name: str, scatte
     m = chunks_per_rank
     d, size = _check_rs(fn, h, w, scatter_dim, n, m, "chunks_per_rank")
     if n == 1:
-        return _linear(h, w, bias)
+        return _partial(h, w, bias, d, [(0, size)], out_dtype)
     length = size // (n * m)
 
     def partial(s: tuple[int, int]) -> Tensor:
-        return _partial(h, w, bias, d, [((s[0] * m + s[1]) * length, length)])
+        return _partial(h, w, bias, d, [((s[0] * m + s[1]) * length, length)], out_dtype)
 
     trace = flash_rs_steps(rank, n, m, variant)
     pending = {}  # tag -> (exchange, partials computed since it was posted)
@@ -567,7 +573,8 @@ def _sliced_ag(shard: Tensor, d: int, chunks: int, group_name: str, compute, *, 
 
 
 def sliced_matmul_reduce_scatter(h: Tensor, w: Tensor, *, group_name: str, scatter_dim: int = 0,
-                                 chunks: int = 2, bias: Tensor | None = None) -> Tensor:
+                                 chunks: int = 2, bias: Tensor | None = None,
+                                 out_dtype: torch.dtype | None = None) -> Tensor:
     """The data-slicing baseline of ``flash_matmul_reduce_scatter``: for each of ``chunks``
     pieces of every rank's output slice, compute that piece's partial (all owners at once) and
     post an async ``reduce_scatter_tensor`` before computing the next piece; wait all at the end
@@ -576,11 +583,12 @@ def sliced_matmul_reduce_scatter(h: Tensor, w: Tensor, *, group_name: str, scatt
     rank, n = group_rank_and_size(group_name)
     d, size = _check_rs(fn, h, w, scatter_dim, n, chunks, "chunks")
     if n == 1:
-        return _linear(h, w, bias)
+        return _partial(h, w, bias, d, [(0, size)], out_dtype)
     length = size // (n * chunks)
     started = []
     for c in range(chunks):
-        part = _partial(h, w, bias, d, [((j * chunks + c) * length, length) for j in range(n)])
+        part = _partial(h, w, bias, d, [((j * chunks + c) * length, length) for j in range(n)],
+                        out_dtype)
         started.append(_c10d().reduce_scatter_tensor(
             part.movedim(d, 0).contiguous(), "sum", n, group_name))
     return _cat([_c10d().wait_tensor(t).movedim(0, d) for t in started], d)
