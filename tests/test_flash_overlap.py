@@ -186,6 +186,43 @@ def dtensor_mlp(world):
     return model, params
 
 
+class GatedFF(nn.Module):
+    """SwiGLU with a third projection, ``w2(silu(w1(x)) * w3(x) + w4(x))``, inside a block, as
+    torchtitan plans it: ``PrepareModuleInput`` gathers the sequence once for w1, w3 and w4, so
+    the backward reduce-scatters one input gradient, the sum of three matmuls."""
+
+    def __init__(self, d=16, h=32):
+        super().__init__()
+        self.w1, self.w3, self.w4 = (nn.Linear(d, h, bias=False) for _ in range(3))
+        self.w2 = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x) + self.w4(x))
+
+
+class GatedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ff = GatedFF()
+
+    def forward(self, x):
+        return x + self.ff(x)
+
+
+def dtensor_gated(world):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, parallelize_module)
+
+    torch.manual_seed(0)
+    model = parallelize_module(GatedBlock(), DeviceMesh("cpu", list(range(world))), {
+        "ff": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "ff.w1": ColwiseParallel(), "ff.w3": ColwiseParallel(), "ff.w4": ColwiseParallel(),
+        "ff.w2": RowwiseParallel(output_layouts=Shard(1))})
+    return model, list(model.parameters())
+
+
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -236,7 +273,8 @@ def _worker(rank, world, init_file, out_dir, cases):
         for case in cases:
             name, model, seq, options = case["name"], case["model"], case["seq"], case["options"]
             build = {"funcol": funcol_mlp, "dtensor": dtensor_mlp, "attn": dtensor_attention,
-                     "block": dtensor_block, "llama": dtensor_llama, "fsdp": fsdp_mlp}
+                     "block": dtensor_block, "llama": dtensor_llama, "fsdp": fsdp_mlp,
+                     "gated": dtensor_gated}
             fn, params = build[model](world)
             torch.manual_seed(100 + rank)
             dim = {"block": 64, "llama": 32}.get(model, 16)
@@ -294,6 +332,9 @@ EXPECTED = {
     "attn": {"forward": (1, 1, []), "backward": (1, 3, [])},
     # Per layer: QKV and gate/up (one site each), o and down; plus the head's gather.
     "llama": {"forward": (5, 4, []), "backward": (4, 11, [])},
+    # One gather feeds w1, w3 and w4; the backward reduce-scatters the sum of their three
+    # input gradients (one site).
+    "gated": {"forward": (1, 1, []), "backward": (1, 1, [])},
     # Weight gathers (w1, w2) and weight-gradient reduce-scatters; the bias has no matmul.
     "fsdp": {"forward": (2, 0, ["the gathered tensor is only the bias of addmm"]),
              "backward": (0, 2, ["the reduce-scatter input is produced by aten.sum"])},
@@ -305,6 +346,7 @@ MATRIX = [  # the exactness matrix: every model with the flash schedule, on 2 an
     {"name": "attn_flash", "model": "attn", "seq": 8, "options": FLASH},
     {"name": "llama_flash", "model": "llama", "seq": 16, "options": FLASH},
     {"name": "fsdp_flash", "model": "fsdp", "seq": 8, "options": FLASH},
+    {"name": "gated_flash", "model": "gated", "seq": 8, "options": FLASH},
 ]
 
 
@@ -338,6 +380,8 @@ def test_two_ranks(tmp_path):
          "options": {"overlap": "flash", "chunks_per_rank": 2}},
         {"name": "dtensor_string_backend", "model": "dtensor", "seq": 8, "entry": "string",
          "options": {"overlap": "flash", "variant": "direct"}},
+        {"name": "gated_inductor_install", "model": "gated", "seq": 8, "options": FLASH,
+         "install": True},
     ]
     ranks = run_ranks(tmp_path, 2, cases)
     for rank, records in enumerate(ranks):
@@ -351,7 +395,8 @@ def test_two_ranks(tmp_path):
             assert max(rec["diff"]) <= tol, (rank, name, rec["diff"])
             assert max(rec["vs_eager"]) <= 1e-5, (rank, name, rec["vs_eager"])
             _check_sites(rank, case, rec)
-            if name in ("funcol_flash", "dtensor_flash", "llama_flash", "llama_lean_compile"):
+            if name in ("funcol_flash", "dtensor_flash", "llama_flash", "llama_lean_compile",
+                        "gated_flash"):
                 assert rec["diff"] == [0.0] * len(rec["diff"]), (rank, name, rec["diff"])
 
 

@@ -214,6 +214,12 @@ def test_reduce_scatter_input_errors(fake_group):
         flash_matmul_reduce_scatter(torch.randn(8, 5), w, group_name=fake_group)
     with pytest.raises(ValueError, match="unknown process group name 'nope'"):
         flash_matmul_reduce_scatter(torch.randn(8, 8), w, group_name="nope")
+    # a sum of matmuls: one h, w (and bias) per term, one output shape
+    with pytest.raises(ValueError, match=r"as many h, w \(and bias\) as terms, got 2 h, 1 w"):
+        flash_matmul_reduce_scatter([h, h], [w], group_name=fake_group)
+    with pytest.raises(ValueError, match=r"different output shapes \[\(8, 4\), \(8, 2\)\]"):
+        flash_matmul_reduce_scatter([torch.randn(8, 8)] * 2, [w, torch.randn(8, 2)],
+                                    group_name=fake_group)
 
 
 def test_all_gather_input_errors(fake_group):

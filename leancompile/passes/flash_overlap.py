@@ -517,6 +517,10 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
 
     graph = gm.graph
     site = match.reduce_scatter
+    if match.terms:
+        return _rewrite_sum_reduce_scatter(gm, match, chunks_per_rank=chunks_per_rank,
+                                           variant=variant, overlap=overlap, chunks=chunks,
+                                           result=result)
     ops = _operands(match.matmul)
     if ops is None:
         result.skip(site, RS_SITE, "addmm with alpha/beta != 1")
@@ -568,6 +572,76 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
                               match.reduced, *match.via, match.matmul])
     _erase_if_dead(graph, [match.wait, match.reduce_scatter, *match.reassembly, match.reduced,
                            *match.via, match.matmul])
+    result.rewrite(site, RS_SITE)
+    return True
+
+
+def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
+                                chunks_per_rank: int, variant: str, overlap: str, chunks: int,
+                                result: PassResult) -> bool:
+    """``reduce_scatter(mm_0 + mm_1 + ...)`` scattered on the products' rows, each term seen
+    through reshapes of its leading dims: one schedule whose partials are the row slices of
+    every term, summed in the original order (the input gradient of gate/up or Q/K/V
+    projections that read one gathered input)::
+
+        add(view(mm(dy1, w1t)), view(mm(dy3, w3t))) -> [split+cat] -> reduce_scatter -> wait
+        =>  flash_matmul_reduce_scatter([dy1, dy3], [w1t, w3t], ...)
+    """
+    from ..runtime.flash_schedules import flash_matmul_reduce_scatter, sliced_matmul_reduce_scatter
+
+    graph = gm.graph
+    site = match.reduce_scatter
+    reduced_shape = tuple(_val(match.reduced).shape)
+    rows = math.prod(reduced_shape[:-1])
+    layout = [n for n in match.via if n not in match.casts]
+    inputs, counts = [], []
+    for matmul, via in match.terms:
+        ops = _operands(matmul)
+        if ops is None:
+            result.skip(site, RS_SITE, f"{matmul.name} is an addmm with alpha/beta != 1")
+            return False
+        mm_shape = tuple(_val(matmul).shape)
+        if not all(n.target in _RESHAPES for n in (*via, *layout)) or \
+                mm_shape != (rows, reduced_shape[-1]):
+            result.skip(site, RS_SITE, f"the layout between {matmul.name} {mm_shape} and the "
+                        f"reduce-scatter input {reduced_shape} is not a reshape of the leading "
+                        "dims (a sum of matmuls is rewritten in that layout only)")
+            return False
+        bias, a, b = ops
+        term = [a, b] + ([bias] if bias is not None else [])
+        inputs += term
+        counts.append(len(term))
+    expected = list(reduced_shape)
+    expected[match.scatter_dim] //= match.group_size
+    if tuple(_val(match.wait).shape) != tuple(expected):
+        result.skip(site, RS_SITE, f"the reduce-scatter result has shape "
+                    f"{tuple(_val(match.wait).shape)}, not the scattered {tuple(expected)}")
+        return False
+    group, dim, m = match.group_name, match.scatter_dim, chunks_per_rank
+    out_dtype = _val(match.reduced).dtype if match.casts else None
+
+    def schedule(*args):
+        hs, ws, bs, at = [], [], [], 0
+        for count in counts:
+            a_, b_, *bias_ = args[at:at + count]
+            at += count
+            hs.append(a_.reshape([*reduced_shape[:-1], a_.shape[-1]]))
+            ws.append(b_)
+            bs.append(bias_[0] if bias_ else None)
+        if overlap == "slice":
+            return sliced_matmul_reduce_scatter(hs, ws, group_name=group, scatter_dim=dim,
+                                                chunks=chunks, bias=bs, out_dtype=out_dtype)
+        return flash_matmul_reduce_scatter(hs, ws, group_name=group, scatter_dim=dim,
+                                           variant=variant, chunks_per_rank=m, bias=bs,
+                                           out_dtype=out_dtype)
+
+    sub = _trace(schedule, inputs)
+    (out,) = _inline(graph, sub, inputs, match.wait, site.name)
+    match.wait.replace_all_uses_with(out)
+    replaced = [match.wait, match.reduce_scatter, *match.reassembly, match.reduced, *match.via,
+                *match.adds, *(n for mm, via in match.terms for n in (mm, *via))]
+    _detach_metadata_readers(replaced)
+    _erase_if_dead(graph, replaced)
     result.rewrite(site, RS_SITE)
     return True
 

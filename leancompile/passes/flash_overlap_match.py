@@ -243,6 +243,11 @@ class ReduceScatterMatch:
     """The dtype casts in ``via`` (autocast: an fp32 reduce-scatter of a bf16 matmul's result);
     the rewrite casts each partial product to ``reduced``'s dtype before it is sent or summed,
     as the original cast the whole product before reducing it."""
+    terms: tuple[tuple[fx.Node, tuple[fx.Node, ...]], ...] = ()
+    """For a reduce-scatter of a sum of matmuls: ``(matmul, reshapes to its add)`` per term, in
+    summation order (``matmul`` is the first term's; ``via`` then runs from the last add, which
+    ``adds`` holds with the others, to ``reduced``). Empty for one matmul."""
+    adds: tuple[fx.Node, ...] = ()
 
 
 class _Skip(Exception):
@@ -531,6 +536,10 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
     while node.op == "call_function" and (node.target in _PASS_THROUGH or _is_cast(node)):
         chain.append(node)
         node = node.args[0]
+    summed = _sum_of_matmuls(node)
+    if summed is not None:
+        return _match_sum(rs, summed, tuple(reversed(chain)), reduced, scatter_dim, reassembly,
+                          wait, reduce_op, group_name, group_size, shape, divisor, allow_guards)
     if node.op != "call_function" or node.target not in _MATMULS:
         _check_pad(node, scatter_dim, group_size, divisor)
         if node.meta.get("flash_overlap_site"):
@@ -572,6 +581,77 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
         reduce_op=str(reduce_op), scatter_dim=scatter_dim, group_name=group_name,
         group_size=group_size, shape=shape, needs_guard=needs_guard, dims=tags,
         casts=tuple(n for n in via if _is_cast(n)))
+
+
+def _sum_of_matmuls(node: fx.Node):
+    """(terms, adds) when ``node`` is ``mm_0 + mm_1 + ...`` summed left to right, each term a
+    matmul seen through reshapes (``add(add(view(mm_a), view(mm_b)), view(mm_c))``: the input
+    gradient of projections that share one gathered input, gate/up or Q/K/V); terms are
+    ``(matmul, via)``. None for anything else (another association, a scaled add, a non-matmul
+    term)."""
+    if not (node.op == "call_function" and node.target is aten.add.Tensor
+            and len(node.args) == 2 and not node.kwargs
+            and all(isinstance(a, fx.Node) for a in node.args)
+            and all(_shape(a) == _shape(node) for a in node.args)):
+        return None
+    left, right = node.args
+    right_term = _matmul_term(right)
+    if right_term is None:
+        return None
+    inner = _sum_of_matmuls(left)
+    if inner is not None:
+        terms, adds = inner
+        return (*terms, right_term), (*adds, node)
+    left_term = _matmul_term(left)
+    return None if left_term is None else ((left_term, right_term), (node,))
+
+
+def _matmul_term(node: fx.Node):
+    """(matmul, reshape nodes from it to ``node``) or None."""
+    chain = []
+    while node.op == "call_function" and node.target in _RESHAPES:
+        chain.append(node)
+        node = node.args[0]
+    if node.op == "call_function" and node.target in _MATMULS:
+        return node, tuple(reversed(chain))
+    return None
+
+
+def _match_sum(rs, summed, via, reduced, scatter_dim, reassembly, wait, reduce_op, group_name,
+               group_size, shape, divisor, allow_guards) -> ReduceScatterMatch:
+    """A reduce-scatter of a sum of matmuls (``_sum_of_matmuls``) with reshapes and casts
+    between the sum and the collective; every term's output rows must be the scatter dim."""
+    terms, adds = summed
+    allowed = {*via, *reassembly, rs, *adds} | {n for _, term_via in terms for n in term_via}
+    others = [user for n in (*allowed - {rs}, *(mm for mm, _ in terms))
+              for user in _readers(n, keep_output=True) if user not in allowed]
+    if others:
+        others = sorted(set(others), key=_order(rs.graph).__getitem__)
+        raise _Skip(f"the summed matmul results have other users "
+                    f"({', '.join(map(_describe, others))}); the sliced schedule never holds "
+                    "the whole sum")
+    dims = set()
+    for matmul, term_via in terms:
+        tags = (frozenset({"M"}), frozenset({"N"}))
+        for step in (*term_via, *via):
+            tags = _propagate(step, tags)
+            if tags is None:
+                raise _Skip(f"cannot follow {_describe(step)} from {_shape(step.args[0])} to "
+                            f"{_shape(step)} back to the rows and columns of {matmul.name}")
+        dims.add(tags[scatter_dim])
+    if dims != {frozenset({"M"})}:
+        raise _Skip(f"the scatter dim is not the rows of every summed matmul "
+                    f"({_names([mm for mm, _ in terms])}): a sum is rewritten when it is "
+                    "scattered on the product's rows")
+    needs_guard = _divisible(shape[scatter_dim], group_size, divisor,
+                             f"scatter dim {scatter_dim}", allow_guards)
+    first, first_via = terms[0]
+    return ReduceScatterMatch(
+        kind="rs_output", matmul=first, dim="M", via=via, reduced=reduced,
+        reassembly=reassembly, reduce_scatter=rs, wait=wait, reduce_op=str(reduce_op),
+        scatter_dim=scatter_dim, group_name=group_name, group_size=group_size, shape=shape,
+        needs_guard=needs_guard, dims=(), casts=tuple(n for n in via if _is_cast(n)),
+        terms=tuple(terms), adds=tuple(adds))
 
 
 def _reduce_scatter_reassembly(rs: fx.Node, n: int) -> tuple[fx.Node, int, tuple[fx.Node, ...]]:

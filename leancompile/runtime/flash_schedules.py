@@ -292,17 +292,43 @@ def _check_rs(fn: str, h: Tensor, w: Tensor, scatter_dim: int, n: int, pieces: i
     return d, size
 
 
-def _partial(h: Tensor, w: Tensor, b: Tensor | None, d: int, ranges,
+def _check_rs_terms(fn: str, terms, scatter_dim: int, n: int, pieces: int,
+                    pieces_name: str) -> tuple[int, int]:
+    """``_check_rs`` of every term; the terms' products must have one shape."""
+    shapes = [(*h.shape[:-1], w.size(1)) for h, w, _ in terms]
+    if any(shape != shapes[0] for shape in shapes[1:]):
+        raise ValueError(f"{fn}: the matmuls of a sum have different output shapes {shapes}")
+    return [_check_rs(fn, h, w, scatter_dim, n, pieces, pieces_name) for h, w, _ in terms][0]
+
+
+def _partial(terms: list[tuple[Tensor, Tensor, Tensor | None]], d: int, ranges,
              out_dtype: torch.dtype | None = None) -> Tensor:
-    """The rows (or, for the last dim, the columns) ``ranges`` = [(start, length)] of h @ w + b
-    along output dim d, concatenated in that order, cast to ``out_dtype`` when given."""
-    if d == h.dim() - 1:
-        wc = _cat([w.narrow(1, s, n) for s, n in ranges], 1)
-        bc = None if b is None else _cat([b.narrow(-1, s, n) for s, n in ranges], -1)
-        y = _linear(h, wc, bc)
-    else:
-        y = _linear(_cat([h.narrow(d, s, n) for s, n in ranges], d), w, b)
-    return y if out_dtype is None else y.to(out_dtype)
+    """The rows (or, for the last dim, the columns) ``ranges`` = [(start, length)] of
+    h_0 @ w_0 + b_0 + h_1 @ w_1 + b_1 + ... (summed left to right) along output dim d,
+    concatenated in that order, cast to ``out_dtype`` when given."""
+    total = None
+    for h, w, b in terms:
+        if d == h.dim() - 1:
+            wc = _cat([w.narrow(1, s, n) for s, n in ranges], 1)
+            bc = None if b is None else _cat([b.narrow(-1, s, n) for s, n in ranges], -1)
+            y = _linear(h, wc, bc)
+        else:
+            y = _linear(_cat([h.narrow(d, s, n) for s, n in ranges], d), w, b)
+        total = y if total is None else total + y
+    return total if out_dtype is None else total.to(out_dtype)
+
+
+def _rs_terms(fn: str, h, w, bias) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+    """(h_i, w_i, bias_i) of a reduce-scatter schedule's sum of matmuls: ``h``/``w`` a tensor
+    each (one matmul) or sequences of equal length (``bias`` then None or a sequence)."""
+    if isinstance(h, Tensor) and isinstance(w, Tensor):
+        return [(h, w, bias)]
+    hs, ws = list(h), list(w)
+    bs = [None] * len(hs) if bias is None else list(bias)
+    if not hs or not (len(hs) == len(ws) == len(bs)):
+        raise ValueError(f"{fn}: a sum of matmuls takes as many h, w (and bias) as terms, got "
+                         f"{len(hs)} h, {len(ws)} w, {len(bs)} bias")
+    return list(zip(hs, ws, bs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,16 +469,19 @@ def _flash_ag(shard: Tensor, d: int, m: int, group_name: str, compute, *, out_di
 # Flash-RS
 
 
-def flash_matmul_reduce_scatter(h: Tensor, w: Tensor, *, group_name: str, scatter_dim: int = 0,
-                                variant: str = "ring", chunks_per_rank: int = 1,
-                                bias: Tensor | None = None,
+def flash_matmul_reduce_scatter(h: Tensor | Sequence[Tensor], w: Tensor | Sequence[Tensor], *,
+                                group_name: str, scatter_dim: int = 0, variant: str = "ring",
+                                chunks_per_rank: int = 1,
+                                bias: Tensor | Sequence[Tensor | None] | None = None,
                                 out_dtype: torch.dtype | None = None) -> Tensor:
     """``reduce_scatter_tensor(h @ w (+ bias), "sum", scatter_dim)`` with the reduce-scatter
     decomposed into P2P steps (``flash_rs_steps``): ``variant="ring"`` accumulates along the
     ring, ``"direct"`` sends every partial to its owner and sums locally. Every rank adds
     ``bias`` before the sum, as ``addmm -> reduce_scatter`` does. ``out_dtype``: each partial
     product is cast to it before it is sent or summed (autocast's fp32 reduce-scatter of a
-    bf16 matmul: ``reduce_scatter((h @ w).float())``).
+    bf16 matmul: ``reduce_scatter((h @ w).float())``). Sequences ``h``, ``w`` (and ``bias``)
+    reduce-scatter a sum of matmuls, ``h[0] @ w[0] + h[1] @ w[1] + ...`` summed left to right
+    (the input gradient of a gate/up or Q/K/V projection pair sharing one gather).
 
     ``h``: (..., K), ``w``: (K, N). ``scatter_dim`` is a dim of the output (the last one slices
     the columns of ``w``). The result equals the collective up to float summation order (see
@@ -463,13 +492,14 @@ def flash_matmul_reduce_scatter(h: Tensor, w: Tensor, *, group_name: str, scatte
         raise ValueError(f"{fn}: unknown variant {variant!r}; use one of {RS_VARIANTS}")
     rank, n = group_rank_and_size(group_name)
     m = chunks_per_rank
-    d, size = _check_rs(fn, h, w, scatter_dim, n, m, "chunks_per_rank")
+    terms = _rs_terms(fn, h, w, bias)
+    d, size = _check_rs_terms(fn, terms, scatter_dim, n, m, "chunks_per_rank")
     if n == 1:
-        return _partial(h, w, bias, d, [(0, size)], out_dtype)
+        return _partial(terms, d, [(0, size)], out_dtype)
     length = size // (n * m)
 
     def partial(s: tuple[int, int]) -> Tensor:
-        return _partial(h, w, bias, d, [((s[0] * m + s[1]) * length, length)], out_dtype)
+        return _partial(terms, d, [((s[0] * m + s[1]) * length, length)], out_dtype)
 
     trace = flash_rs_steps(rank, n, m, variant)
     pending = {}  # tag -> (exchange, partials computed since it was posted)
@@ -572,8 +602,9 @@ def _sliced_ag(shard: Tensor, d: int, chunks: int, group_name: str, compute, *, 
     return gathered, ys
 
 
-def sliced_matmul_reduce_scatter(h: Tensor, w: Tensor, *, group_name: str, scatter_dim: int = 0,
-                                 chunks: int = 2, bias: Tensor | None = None,
+def sliced_matmul_reduce_scatter(h: Tensor | Sequence[Tensor], w: Tensor | Sequence[Tensor], *,
+                                 group_name: str, scatter_dim: int = 0, chunks: int = 2,
+                                 bias: Tensor | Sequence[Tensor | None] | None = None,
                                  out_dtype: torch.dtype | None = None) -> Tensor:
     """The data-slicing baseline of ``flash_matmul_reduce_scatter``: for each of ``chunks``
     pieces of every rank's output slice, compute that piece's partial (all owners at once) and
@@ -581,13 +612,14 @@ def sliced_matmul_reduce_scatter(h: Tensor, w: Tensor, *, group_name: str, scatt
     (the last reduce-scatter is exposed)."""
     fn = "sliced_matmul_reduce_scatter"
     rank, n = group_rank_and_size(group_name)
-    d, size = _check_rs(fn, h, w, scatter_dim, n, chunks, "chunks")
+    terms = _rs_terms(fn, h, w, bias)
+    d, size = _check_rs_terms(fn, terms, scatter_dim, n, chunks, "chunks")
     if n == 1:
-        return _partial(h, w, bias, d, [(0, size)], out_dtype)
+        return _partial(terms, d, [(0, size)], out_dtype)
     length = size // (n * chunks)
     started = []
     for c in range(chunks):
-        part = _partial(h, w, bias, d, [((j * chunks + c) * length, length) for j in range(n)],
+        part = _partial(terms, d, [((j * chunks + c) * length, length) for j in range(n)],
                         out_dtype)
         started.append(_c10d().reduce_scatter_tensor(
             part.movedim(d, 0).contiguous(), "sum", n, group_name))
