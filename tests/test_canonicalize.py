@@ -108,3 +108,31 @@ def test_skipped_site_requires_a_reason():
 
     with pytest.raises(ValueError, match="reason"):
         PassResult(name="x").skip("node", "kind", "")
+
+
+def test_copy_into_a_fresh_buffer_is_its_source():
+    """``copy(empty(...), src)`` (an in-place c10d collective into a fresh buffer,
+    functionalized) reads as ``src``; a buffer of another dtype (a conversion) or one also read
+    elsewhere stays, and so does a copy that is a graph output."""
+
+    def f(x, w):
+        y = aten.mm(x, w)
+        same = aten.copy(aten.empty.memory_format([8, 16], dtype=torch.float32), y)
+        cast = aten.copy(aten.empty.memory_format([8, 16], dtype=torch.float64), y)
+        shared = aten.empty.memory_format([8, 16], dtype=torch.float32)
+        kept = aten.copy(shared, y)
+        out = aten.copy(aten.empty.memory_format([8, 16], dtype=torch.float32), y)
+        return same.relu() + cast.float() + kept + shared.zero_(), out
+
+    x, w = torch.randn(8, 12), torch.randn(12, 16)
+    gm = make_fx(f, tracing_mode="fake")(x, w)
+    assert targets(gm).count(aten.copy.default) == 4
+    result = canonicalize_pass(gm)
+    assert [s.kind for s in result.rewritten if s.kind == "buffer copy"] == ["buffer copy"]
+    assert [s.reason for s in result.skipped if s.kind == "buffer copy"] == [
+        "the copy is a graph output; it stays a copy"]
+    assert targets(gm).count(aten.copy.default) == 3
+    relu = next(n for n in gm.graph.nodes if n.target is aten.relu.default)
+    assert relu.args[0].target is aten.mm.default
+    for got, want in zip(gm(x, w), f(x, w)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -223,6 +223,63 @@ def dtensor_gated(world):
     return model, list(model.parameters())
 
 
+class _GatherSeq(torch.autograd.Function):
+    """Sequence gather (dim 1) with in-place c10d collectives into fresh buffers, rank pieces
+    put in place with chunk + cat; its backward a reduce-scatter spelled with movedim: the
+    spellings of torchtitan's default TP backend (plain local tensors, c10d collectives)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        n = dist.get_world_size(group)
+        out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return torch.cat(out.chunk(n, 0), dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_movedim(grad, ctx.group), None
+
+
+def _reduce_scatter_movedim(y, group):
+    inp = y.movedim(1, 0).contiguous()
+    out = torch.empty((inp.shape[0] // dist.get_world_size(group), *inp.shape[1:]),
+                      dtype=inp.dtype)
+    dist.reduce_scatter_tensor(out, inp, group=group)
+    return out.movedim(0, 1)
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """Sequence reduce-scatter (dim 1) spelled with movedim; its backward a movedim gather."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _reduce_scatter_movedim(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x = grad.movedim(1, 0).contiguous()
+        out = torch.empty((dist.get_world_size(ctx.group) * x.shape[0], *x.shape[1:]),
+                          dtype=x.dtype)
+        dist.all_gather_into_tensor(out, x, group=ctx.group)
+        return out.movedim(0, 1), None
+
+
+def c10d_mlp(world):
+    """TP + SP MLP written as torchtitan's ``spmd_types`` backend traces it."""
+    torch.manual_seed(0)
+    w1 = torch.randn(16, 32 // world, requires_grad=True)
+    w2 = torch.randn(32 // world, 16, requires_grad=True)
+    group = dist.group.WORLD
+
+    def fn(x):
+        h = _GatherSeq.apply(x, group)
+        return _ScatterSeq.apply(F.gelu(h @ w1) @ w2, group)
+
+    return fn, [w1, w2]
+
+
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -274,7 +331,7 @@ def _worker(rank, world, init_file, out_dir, cases):
             name, model, seq, options = case["name"], case["model"], case["seq"], case["options"]
             build = {"funcol": funcol_mlp, "dtensor": dtensor_mlp, "attn": dtensor_attention,
                      "block": dtensor_block, "llama": dtensor_llama, "fsdp": fsdp_mlp,
-                     "gated": dtensor_gated}
+                     "gated": dtensor_gated, "c10d": c10d_mlp}
             fn, params = build[model](world)
             torch.manual_seed(100 + rank)
             dim = {"block": 64, "llama": 32}.get(model, 16)
@@ -335,6 +392,7 @@ EXPECTED = {
     # One gather feeds w1, w3 and w4; the backward reduce-scatters the sum of their three
     # input gradients (one site).
     "gated": {"forward": (1, 1, []), "backward": (1, 1, [])},
+    "c10d": {"forward": (1, 1, []), "backward": (1, 1, [])},
     # Weight gathers (w1, w2) and weight-gradient reduce-scatters; the bias has no matmul.
     "fsdp": {"forward": (2, 0, ["the gathered tensor is only the bias of addmm"]),
              "backward": (0, 2, ["the reduce-scatter input is produced by aten.sum"])},
@@ -347,6 +405,7 @@ MATRIX = [  # the exactness matrix: every model with the flash schedule, on 2 an
     {"name": "llama_flash", "model": "llama", "seq": 16, "options": FLASH},
     {"name": "fsdp_flash", "model": "fsdp", "seq": 8, "options": FLASH},
     {"name": "gated_flash", "model": "gated", "seq": 8, "options": FLASH},
+    {"name": "c10d_flash", "model": "c10d", "seq": 8, "options": FLASH},
 ]
 
 
@@ -380,6 +439,8 @@ def test_two_ranks(tmp_path):
          "options": {"overlap": "flash", "chunks_per_rank": 2}},
         {"name": "dtensor_string_backend", "model": "dtensor", "seq": 8, "entry": "string",
          "options": {"overlap": "flash", "variant": "direct"}},
+        {"name": "c10d_inductor_install", "model": "c10d", "seq": 8, "options": FLASH,
+         "install": True},
         {"name": "gated_inductor_install", "model": "gated", "seq": 8, "options": FLASH,
          "install": True},
     ]
@@ -396,7 +457,7 @@ def test_two_ranks(tmp_path):
             assert max(rec["vs_eager"]) <= 1e-5, (rank, name, rec["vs_eager"])
             _check_sites(rank, case, rec)
             if name in ("funcol_flash", "dtensor_flash", "llama_flash", "llama_lean_compile",
-                        "gated_flash"):
+                        "gated_flash", "c10d_flash"):
                 assert rec["diff"] == [0.0] * len(rec["diff"]), (rank, name, rec["diff"])
 
 

@@ -1,5 +1,5 @@
-"""Canonicalisation: one spelling for reshapes, no no-op slices, and dead code dropped, before
-any matcher runs.
+"""Canonicalisation: one spelling for reshapes, no no-op slices, no copies into fresh buffers,
+and dead code dropped, before any matcher runs.
 
 Post-grad graphs spell "the same tensor with another shape" three ways (``aten.view``,
 ``aten._unsafe_view``, ``aten.reshape``), keep slices that take a whole dim (DTensor's trim of an
@@ -31,6 +31,10 @@ can observe the difference: the input is an intermediate (not a graph input or o
 this node alone. A slice with step 1 from 0 to at least the size of its dim (proven on the
 symbolic sizes, no guard added) is its input with the same shape and strides; it is replaced by
 its input except where it is a graph output (AOTAutograd recorded the output as a view).
+A ``copy(empty(...), src)`` (an in-place c10d collective written into a fresh buffer, as
+torchtitan's default TP backend does, functionalized) is ``src`` when the buffer is read by the
+copy alone and both have the same shape, dtype, device and contiguous strides; its readers read
+``src`` (unless the copy is a graph output).
 Dead nodes are dropped only when they are pure: collectives, mutations and
 random ops (which advance the generator) stay, and are reported as skipped with that reason.
 """
@@ -45,9 +49,9 @@ import torch.fx as fx
 from .result import PassResult
 
 __all__ = ["canonicalize_pass", "find_reshape_matches", "find_noop_slice_matches",
-           "find_dead_code_matches", "VERSION"]
+           "find_buffer_copy_matches", "find_dead_code_matches", "VERSION"]
 
-VERSION = 2
+VERSION = 3
 NAME = "canonicalize"
 
 aten = torch.ops.aten
@@ -147,6 +151,67 @@ def rewrite_noop_slice(match: _NoopSliceMatch) -> None:
     node.graph.erase_node(node)
 
 
+@dataclass(frozen=True, kw_only=True)
+class _BufferCopyMatch:
+    node: fx.Node
+    buffer: fx.Node
+
+
+_EMPTY_OPS = (aten.empty.memory_format, aten.empty_strided.default)
+
+
+def find_buffer_copy_matches(graph: fx.Graph, result: PassResult) -> list[_BufferCopyMatch]:
+    """Every ``copy(empty(...), src)`` that is ``src`` itself: an in-place c10d collective
+    written into a fresh buffer (``dist.all_gather_into_tensor(out, x)`` with ``out =
+    torch.empty(...)``), functionalized. The buffer is read by the copy alone and has ``src``'s
+    shape, dtype, device and (contiguous) strides; ``src`` is contiguous."""
+    matches = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.copy.default:
+            continue
+        buffer, src = node.args[0], node.args[1]
+        if not (isinstance(buffer, fx.Node) and isinstance(src, fx.Node)
+                and buffer.op == "call_function" and buffer.target in _EMPTY_OPS
+                and len(buffer.users) == 1 and not node.kwargs.get("non_blocking", False)):
+            continue
+        b, v = buffer.meta.get("val"), src.meta.get("val")
+        if not (isinstance(b, torch.Tensor) and isinstance(v, torch.Tensor)
+                and b.dtype == v.dtype and b.device == v.device
+                and _same_sizes(b.shape, v.shape) and _contiguous(b) and _contiguous(v)):
+            continue
+        if _is_graph_output(node):
+            result.skip(node, "buffer copy", "the copy is a graph output; it stays a copy")
+            continue
+        matches.append(_BufferCopyMatch(node=node, buffer=buffer))
+    return matches
+
+
+def _same_sizes(a, b) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def _contiguous(t: torch.Tensor) -> bool:
+    """Contiguous strides, decided without adding guards (False when unknown)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    expected = 1
+    for size, stride in reversed(list(zip(t.shape, t.stride()))):
+        if not statically_known_true(size == 1) and not statically_known_true(stride == expected):
+            return False
+        expected = expected * size
+    return True
+
+
+def rewrite_buffer_copy(match: _BufferCopyMatch) -> None:
+    """``copy(empty(...), src)`` -> ``src``; the buffer goes with the copy."""
+    node = match.node
+    node.replace_all_uses_with(node.args[1])
+    node.graph.erase_node(node)
+    node.graph.erase_node(match.buffer)
+
+
 def rewrite_reshape(match: _ReshapeMatch) -> None:
     """``view(x, shape)`` / ``_unsafe_view(x, shape)`` -> ``reshape(x, shape)``, meta kept."""
     match.node.target = aten.reshape.default
@@ -206,6 +271,9 @@ def canonicalize_pass(gm: fx.GraphModule, options=None) -> PassResult:
     for match in find_dead_code_matches(gm.graph, result):
         rewrite_dead_code(match)
         result.rewrite(match.node, "dead code")
+    for match in find_buffer_copy_matches(gm.graph, result):
+        result.rewrite(match.node, "buffer copy")
+        rewrite_buffer_copy(match)
     for match in find_noop_slice_matches(gm.graph, result):
         result.rewrite(match.node, "no-op slice")
         rewrite_noop_slice(match)

@@ -75,6 +75,7 @@ VERSION = 2
 
 aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_SAME_LAYOUT = (aten.clone.default, aten.alias.default)
 _MATMULS = (aten.mm.default, aten.addmm.default)
 
 
@@ -331,8 +332,8 @@ def _position(graph: fx.Graph, node: fx.Node) -> int:
 
 
 def _flatten_only(via: tuple, source_shape, mm_input: fx.Node) -> bool:
-    """True when ``via`` only reshapes ``source`` (..., K) into (prod(...), K)."""
-    if any(n.target not in _RESHAPES for n in via):
+    """True when ``via`` only reshapes (or clones) ``source`` (..., K) into (prod(...), K)."""
+    if any(n.target not in _RESHAPES + _SAME_LAYOUT for n in via):
         return False
     shape = tuple(_val(mm_input).shape)
     return len(shape) == 2 and shape[1] == source_shape[-1] and \
@@ -545,9 +546,10 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
         return False
     expected = list(reduced_shape)
     expected[match.scatter_dim] //= match.group_size
-    if tuple(_val(match.wait).shape) != tuple(expected):
+    scattered = match.scattered or match.wait
+    if tuple(_val(scattered).shape) != tuple(expected):
         result.skip(site, RS_SITE, f"the reduce-scatter result has shape "
-                    f"{tuple(_val(match.wait).shape)}, not the scattered {tuple(expected)}")
+                    f"{tuple(_val(scattered).shape)}, not the scattered {tuple(expected)}")
         return False
     in_shape = list(reduced_shape[:-1]) + [_val(a).shape[-1]]
     group, dim, m = match.group_name, match.scatter_dim, chunks_per_rank
@@ -567,11 +569,11 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
 
     sub = _trace(schedule, inputs)
     (out,) = _inline(graph, sub, inputs, match.wait, site.name)
-    match.wait.replace_all_uses_with(out)
-    _detach_metadata_readers([match.wait, match.reduce_scatter, *match.reassembly,
-                              match.reduced, *match.via, match.matmul])
-    _erase_if_dead(graph, [match.wait, match.reduce_scatter, *match.reassembly, match.reduced,
-                           *match.via, match.matmul])
+    scattered.replace_all_uses_with(out)
+    replaced = [scattered, match.wait, match.reduce_scatter, *match.reassembly, match.reduced,
+                *match.via, match.matmul]
+    _detach_metadata_readers(replaced)
+    _erase_if_dead(graph, replaced)
     result.rewrite(site, RS_SITE)
     return True
 
@@ -613,9 +615,10 @@ def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *
         counts.append(len(term))
     expected = list(reduced_shape)
     expected[match.scatter_dim] //= match.group_size
-    if tuple(_val(match.wait).shape) != tuple(expected):
+    scattered = match.scattered or match.wait
+    if tuple(_val(scattered).shape) != tuple(expected):
         result.skip(site, RS_SITE, f"the reduce-scatter result has shape "
-                    f"{tuple(_val(match.wait).shape)}, not the scattered {tuple(expected)}")
+                    f"{tuple(_val(scattered).shape)}, not the scattered {tuple(expected)}")
         return False
     group, dim, m = match.group_name, match.scatter_dim, chunks_per_rank
     out_dtype = _val(match.reduced).dtype if match.casts else None
@@ -637,9 +640,9 @@ def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *
 
     sub = _trace(schedule, inputs)
     (out,) = _inline(graph, sub, inputs, match.wait, site.name)
-    match.wait.replace_all_uses_with(out)
-    replaced = [match.wait, match.reduce_scatter, *match.reassembly, match.reduced, *match.via,
-                *match.adds, *(n for mm, via in match.terms for n in (mm, *via))]
+    scattered.replace_all_uses_with(out)
+    replaced = [scattered, match.wait, match.reduce_scatter, *match.reassembly, match.reduced,
+                *match.via, *match.adds, *(n for mm, via in match.terms for n in (mm, *via))]
     _detach_metadata_readers(replaced)
     _erase_if_dead(graph, replaced)
     result.rewrite(site, RS_SITE)

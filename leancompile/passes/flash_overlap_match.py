@@ -248,6 +248,9 @@ class ReduceScatterMatch:
     summation order (``matmul`` is the first term's; ``via`` then runs from the last add, which
     ``adds`` holds with the others, to ``reduced``). Empty for one matmul."""
     adds: tuple[fx.Node, ...] = ()
+    scattered: fx.Node | None = None
+    """The node holding the result in ``reduced``'s layout when that is not ``wait`` (the
+    movedim back of torchtitan's spelling); None: ``wait``."""
 
 
 class _Skip(Exception):
@@ -335,7 +338,11 @@ def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
     _check_group(group_name, group_size)
     shard = ag.args[0]
 
-    gathered, gather_dim, reassembly = _all_gather_reassembly(wait, group_size)
+    moved = _movedim_gather(ag, wait)
+    if moved is not None:
+        gathered, gather_dim, reassembly, shard = moved
+    else:
+        gathered, gather_dim, reassembly = _all_gather_reassembly(wait, group_size)
     shape = _shape(gathered)
     _check_trim(gathered, gather_dim, shape, group_size, divisor)
     cast = _only_cast(gathered)
@@ -441,6 +448,34 @@ def _all_gather_reassembly(wait: fx.Node, n: int) -> tuple[fx.Node, int, tuple[f
     return gathered, dim, nodes
 
 
+def _swap_dim(node: fx.Node) -> int | None:
+    """d when ``node`` is ``permute(x, p)`` with p swapping dims 0 and d (``movedim(d, 0)`` of a
+    3-D tensor, or ``transpose(0, d)``), else None."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"
+            and node.target is aten.permute.default):
+        return None
+    perm = [_norm_dim(d, len(node.args[1])) for d in node.args[1]]
+    d = perm[0]
+    expected = list(range(len(perm)))
+    expected[0], expected[d] = d, 0
+    return d if d != 0 and perm == expected else None
+
+
+def _movedim_gather(ag: fx.Node, wait: fx.Node):
+    """(gathered, gather dim d, reassembly, shard) for a gather on dim d spelled with movedim,
+    as torchtitan's default TP backend does: ``permute(wait(all_gather(permute(x, p))), p)``
+    with p swapping dims 0 and d (both permutes the same swap, which is its own inverse); the
+    rewrite gathers ``x`` on d directly. None for any other form."""
+    readers = _readers(wait, keep_output=True)
+    inner = ag.args[0]
+    if len(readers) != 1:
+        return None
+    d = _swap_dim(readers[0])
+    if d is None or _swap_dim(inner) != d or readers[0].args[0] is not wait:
+        return None
+    return readers[0], d, (readers[0],), inner.args[0]
+
+
 def _view_gather_dim(buffer: tuple, view: tuple, n: int) -> int | None:
     """The gather dim of funcol's view form: when the shard's dims before the gather dim d are
     all 1, ``[N, 1.., S, rest]`` is viewed as ``[1, 1.., N*S, rest]`` instead of split+cat."""
@@ -528,7 +563,12 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
     if str(reduce_op).lower() != "sum":
         raise _Skip(f"reduce op {reduce_op!r} is not supported (sum only)")
 
-    reduced, scatter_dim, reassembly = _reduce_scatter_reassembly(rs, group_size)
+    scattered = None
+    moved = _movedim_reduce_scatter(rs, wait)
+    if moved is not None:
+        reduced, scatter_dim, reassembly, scattered = moved
+    else:
+        reduced, scatter_dim, reassembly = _reduce_scatter_reassembly(rs, group_size)
     shape = _shape(reduced)
 
     chain: list[fx.Node] = []
@@ -539,7 +579,8 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
     summed = _sum_of_matmuls(node)
     if summed is not None:
         return _match_sum(rs, summed, tuple(reversed(chain)), reduced, scatter_dim, reassembly,
-                          wait, reduce_op, group_name, group_size, shape, divisor, allow_guards)
+                          wait, reduce_op, group_name, group_size, shape, divisor, allow_guards,
+                          scattered)
     if node.op != "call_function" or node.target not in _MATMULS:
         _check_pad(node, scatter_dim, group_size, divisor)
         if node.meta.get("flash_overlap_site"):
@@ -580,7 +621,22 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
         reduced=reduced, reassembly=reassembly, reduce_scatter=rs, wait=wait,
         reduce_op=str(reduce_op), scatter_dim=scatter_dim, group_name=group_name,
         group_size=group_size, shape=shape, needs_guard=needs_guard, dims=tags,
-        casts=tuple(n for n in via if _is_cast(n)))
+        casts=tuple(n for n in via if _is_cast(n)), scattered=scattered)
+
+
+def _movedim_reduce_scatter(rs: fx.Node, wait: fx.Node):
+    """(reduced, scatter dim d, reassembly, scattered) for a reduce-scatter on dim d spelled
+    with movedim (torchtitan's default TP backend): ``permute(wait(reduce_scatter(
+    [clone](permute(y, p)))), p)`` with p swapping dims 0 and d; ``scattered`` is the last
+    permute, which holds the result in ``y``'s layout. None for any other form."""
+    source = rs.args[0]
+    front = [source] if source.target in _SAME_LAYOUT else []
+    permuted = source.args[0] if front else source
+    d = _swap_dim(permuted)
+    readers = _readers(wait, keep_output=True)
+    if d is None or len(readers) != 1 or _swap_dim(readers[0]) != d:
+        return None
+    return permuted.args[0], d, (permuted, *front), readers[0]
 
 
 def _sum_of_matmuls(node: fx.Node):
@@ -618,7 +674,7 @@ def _matmul_term(node: fx.Node):
 
 
 def _match_sum(rs, summed, via, reduced, scatter_dim, reassembly, wait, reduce_op, group_name,
-               group_size, shape, divisor, allow_guards) -> ReduceScatterMatch:
+               group_size, shape, divisor, allow_guards, scattered) -> ReduceScatterMatch:
     """A reduce-scatter of a sum of matmuls (``_sum_of_matmuls``) with reshapes and casts
     between the sum and the collective; every term's output rows must be the scatter dim."""
     terms, adds = summed
@@ -651,7 +707,7 @@ def _match_sum(rs, summed, via, reduced, scatter_dim, reassembly, wait, reduce_o
         reassembly=reassembly, reduce_scatter=rs, wait=wait, reduce_op=str(reduce_op),
         scatter_dim=scatter_dim, group_name=group_name, group_size=group_size, shape=shape,
         needs_guard=needs_guard, dims=(), casts=tuple(n for n in via if _is_cast(n)),
-        terms=tuple(terms), adds=tuple(adds))
+        terms=tuple(terms), adds=tuple(adds), scattered=scattered)
 
 
 def _reduce_scatter_reassembly(rs: fx.Node, n: int) -> tuple[fx.Node, int, tuple[fx.Node, ...]]:
