@@ -33,6 +33,16 @@ def funcol_mlp(world):
     return mlp, [w1, b1, w2]
 
 
+def checkpointed_mlp(world):
+    """The functional-collective MLP under full activation checkpointing: the backward
+    recomputes the gather, which feeds the recomputed FC1 (sliced) and FC1's weight gradient
+    (a contraction over the gathered rows, reading the reassembled tensor)."""
+    from torch.utils.checkpoint import checkpoint
+
+    mlp, params = funcol_mlp(world)
+    return (lambda x: checkpoint(mlp, x, use_reentrant=False)), params
+
+
 class MLP(nn.Module):
     def __init__(self, d=16, h=32):
         super().__init__()
@@ -331,11 +341,11 @@ def _worker(rank, world, init_file, out_dir, cases):
             name, model, seq, options = case["name"], case["model"], case["seq"], case["options"]
             build = {"funcol": funcol_mlp, "dtensor": dtensor_mlp, "attn": dtensor_attention,
                      "block": dtensor_block, "llama": dtensor_llama, "fsdp": fsdp_mlp,
-                     "gated": dtensor_gated, "c10d": c10d_mlp}
+                     "gated": dtensor_gated, "c10d": c10d_mlp, "ckpt": checkpointed_mlp}
             fn, params = build[model](world)
             torch.manual_seed(100 + rank)
             dim = {"block": 64, "llama": 32}.get(model, 16)
-            shape = (seq // world, dim) if model == "funcol" else (2, seq // world, dim)
+            shape = (seq // world, dim) if model in ("funcol", "ckpt") else (2, seq // world, dim)
             if model == "fsdp":
                 shape = (2, seq, dim)  # data parallel: every rank its own batch
             x = torch.randn(*shape, requires_grad=True)
@@ -393,6 +403,8 @@ EXPECTED = {
     # input gradients (one site).
     "gated": {"forward": (1, 1, []), "backward": (1, 1, [])},
     "c10d": {"forward": (1, 1, []), "backward": (1, 1, [])},
+    # The backward gathers the output gradient and recomputes the forward's gather.
+    "ckpt": {"forward": (1, 1, []), "backward": (2, 1, [])},
     # Weight gathers (w1, w2) and weight-gradient reduce-scatters; the bias has no matmul.
     "fsdp": {"forward": (2, 0, ["the gathered tensor is only the bias of addmm"]),
              "backward": (0, 2, ["the reduce-scatter input is produced by aten.sum"])},
@@ -406,6 +418,7 @@ MATRIX = [  # the exactness matrix: every model with the flash schedule, on 2 an
     {"name": "fsdp_flash", "model": "fsdp", "seq": 8, "options": FLASH},
     {"name": "gated_flash", "model": "gated", "seq": 8, "options": FLASH},
     {"name": "c10d_flash", "model": "c10d", "seq": 8, "options": FLASH},
+    {"name": "ckpt_flash", "model": "ckpt", "seq": 8, "options": FLASH},
 ]
 
 
@@ -439,6 +452,8 @@ def test_two_ranks(tmp_path):
          "options": {"overlap": "flash", "chunks_per_rank": 2}},
         {"name": "dtensor_string_backend", "model": "dtensor", "seq": 8, "entry": "string",
          "options": {"overlap": "flash", "variant": "direct"}},
+        {"name": "ckpt_inductor_install", "model": "ckpt", "seq": 8, "options": FLASH,
+         "install": True},
         {"name": "c10d_inductor_install", "model": "c10d", "seq": 8, "options": FLASH,
          "install": True},
         {"name": "gated_inductor_install", "model": "gated", "seq": 8, "options": FLASH,
@@ -457,7 +472,7 @@ def test_two_ranks(tmp_path):
             assert max(rec["vs_eager"]) <= 1e-5, (rank, name, rec["vs_eager"])
             _check_sites(rank, case, rec)
             if name in ("funcol_flash", "dtensor_flash", "llama_flash", "llama_lean_compile",
-                        "gated_flash", "c10d_flash"):
+                        "gated_flash", "c10d_flash", "ckpt_flash"):
                 assert rec["diff"] == [0.0] * len(rec["diff"]), (rank, name, rec["diff"])
 
 

@@ -372,7 +372,9 @@ def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
         raise _Skip("the gather dim is the contraction (K) dim of every matmul that reads it "
                     f"({listed}); slicing it would sum partial products")
     downstream = _descendants(wait)
-    for use in uses:
+    for use in uses:  # a contraction (K) use is not sliced: it reads the reassembled tensor
+        if not use.slices_output:  # (the weight gradient of a recomputed, checkpointed gather)
+            continue
         other_arg = _operand(use.node, "B" if use.operand == "A" else "A")
         if isinstance(other_arg, fx.Node) and other_arg in downstream:
             other = "B" if use.operand == "A" else "A"
