@@ -4,17 +4,23 @@
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV ?= .venv
+# tests/test_torchtitan.py runs torchtitan's own Llama3 and TP plan through FlashOverlap. Installed
+# with --no-deps: torchtitan's declared dependencies pull a CUDA torch, triton, datasets and
+# wandb, none of which the model and its parallelize code need. TORCHTITAN= skips it (the test
+# then skips itself).
+TORCHTITAN ?= torchtitan==0.3.0 spmd_types==0.2.3 tyro einops docstring-parser typeguard
 STAMP := $(VENV)/.installed-$(subst /,_,$(subst =,_,$(subst >,_,$(subst <,_,$(TORCH)))))
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/inductor
 PYTEST_ARGS ?=
 
 .PHONY: demo test clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --upgrade pip
 	$(VENV)/bin/python -m pip install "$(TORCH)"
 	$(VENV)/bin/python -m pip install -e ".[test,lora,plot]" "$(TORCH)"
+	$(if $(TORCHTITAN),$(VENV)/bin/python -m pip install --no-deps $(TORCHTITAN))
 	rm -f $(VENV)/.installed-*
 	touch $@
 

@@ -12,8 +12,12 @@ ours / plain - 1, by median and by min. Models:
 A third column compiles with every pass disabled: ``passes`` = ours / that - 1 is what the
 pipeline itself costs.
 
-* ``tpsp``: the tensor + sequence-parallel MLP layer of ``bench overlap`` on 2 gloo ranks,
-  with ``overlap="flash"``: the passes rewrite 4 sites (the overhead includes that work).
+* ``block``: the TP+SP transformer block of ``demo overlap`` (attention + MLP, DTensor
+  ``parallelize_module``) on 2 gloo ranks, with ``overlap="flash"``: the passes rewrite 10
+  sites (4 forward, 6 backward; the overhead includes that work).
+* ``tpsp``: the bare TP+SP MLP layer of ``bench overlap`` (two matmuls, their gather and
+  reduce-scatter and nothing else) on 2 gloo ranks, ``overlap="flash"``: 4 sites rewritten in
+  a graph that is little more than those sites, the worst case for the rewrite's share.
 
 Reports print their graphs' code only when read (``report.graph(...).before``, ``print``,
 ``save``), so a compile nobody inspects does not pay for it.
@@ -83,15 +87,15 @@ def _rounds(make, compiler: str, rounds: int, **options) -> dict:
             "passes_overhead_min": low["ours"] / low["passes_off"] - 1}
 
 
-def _tpsp_worker(rank, world, init, out, compilers, rounds):
+def _distributed_worker(rank, world, init, out, models, compilers, rounds):
     import torch.distributed as dist
-
-    from .overlap import _layer
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(1)
 
-    def make():
+    def make_layer():
+        from .overlap import _layer
+
         layer, _ = _layer(world, 64, 32, 64)
         torch.manual_seed(1 + rank)
         x = torch.randn(64 // world, 32, requires_grad=True)
@@ -101,7 +105,24 @@ def _tpsp_worker(rank, world, init, out, compilers, rounds):
 
         return step, {"x": x}
 
-    results = {c: _rounds(make, c, rounds, overlap="flash") for c in compilers}
+    def make_block():
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from ..demos.overlap_demo import Block, parallelize_block
+
+        torch.manual_seed(0)
+        block = parallelize_block(Block(), DeviceMesh("cpu", list(range(world))))
+        torch.manual_seed(1 + rank)
+        x = torch.randn(2, 16 // world, 64, requires_grad=True)
+
+        def step(x):
+            return block(x)
+
+        return step, {"x": x}
+
+    makers = {"block": make_block, "tpsp": make_layer}
+    results = {m: {c: _rounds(makers[m], c, rounds, overlap="flash") for c in compilers}
+               for m in models}
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -109,21 +130,27 @@ def _tpsp_worker(rank, world, init, out, compilers, rounds):
     dist.destroy_process_group()
 
 
-def measure(models=("flux", "tpsp"), compilers=("aot_eager", "inductor"), rounds: int = 3
-            ) -> dict:
+MODELS = ("flux", "block", "tpsp")
+
+
+def measure(models=MODELS, compilers=("aot_eager", "inductor"), rounds: int = 3) -> dict:
     """``{model: {compiler: {plain_s, ours_s, overhead, ...}}}``."""
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}; use some of {MODELS}")
     report = {}
     if "flux" in models:
         report["flux"] = {c: _rounds(_flux_step, c, rounds) for c in compilers}
-    if "tpsp" in models:
+    distributed = tuple(m for m in models if m != "flux")
+    if distributed:
         import torch.multiprocessing as mp
 
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.json")
-            mp.spawn(_tpsp_worker, args=(2, os.path.join(tmp, "init"), out, tuple(compilers),
-                                         rounds), nprocs=2, join=True)
+            mp.spawn(_distributed_worker, args=(2, os.path.join(tmp, "init"), out, distributed,
+                                                tuple(compilers), rounds), nprocs=2, join=True)
             with open(out) as f:
-                report["tpsp"] = json.load(f)
+                report.update(json.load(f))
     return report
 
 
@@ -132,7 +159,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="leancompile bench compile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="flux,tpsp")
+    p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--compilers", default="aot_eager,inductor")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", action="store_true")

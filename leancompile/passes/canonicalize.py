@@ -1,5 +1,5 @@
-"""Canonicalisation: one spelling for reshapes, no no-op slices, no copies into fresh buffers,
-and dead code dropped, before any matcher runs.
+"""Canonicalisation: one spelling for reshapes, no no-op slices, no aliases, no copies into fresh
+buffers, and dead code dropped, before any matcher runs.
 
 Post-grad graphs spell "the same tensor with another shape" three ways (``aten.view``,
 ``aten._unsafe_view``, ``aten.reshape``), keep slices that take a whole dim (DTensor's trim of an
@@ -34,7 +34,8 @@ its input except where it is a graph output (AOTAutograd recorded the output as 
 A ``copy(empty(...), src)`` (an in-place c10d collective written into a fresh buffer, as
 torchtitan's default TP backend does, functionalized) is ``src`` when the buffer is read by the
 copy alone and both have the same shape, dtype, device and contiguous strides; its readers read
-``src`` (unless the copy is a graph output).
+``src`` (also where the copy is a graph output, when ``src`` is a collective's result: a fresh
+tensor either way). An ``alias`` that is not a graph output is its input.
 Dead nodes are dropped only when they are pure: collectives, mutations and
 random ops (which advance the generator) stay, and are reported as skipped with that reason.
 """
@@ -49,7 +50,8 @@ import torch.fx as fx
 from .result import PassResult
 
 __all__ = ["canonicalize_pass", "find_reshape_matches", "find_noop_slice_matches",
-           "find_buffer_copy_matches", "find_dead_code_matches", "VERSION"]
+           "find_alias_matches", "find_buffer_copy_matches", "find_dead_code_matches",
+           "VERSION"]
 
 VERSION = 3
 NAME = "canonicalize"
@@ -158,6 +160,7 @@ class _BufferCopyMatch:
 
 
 _EMPTY_OPS = (aten.empty.memory_format, aten.empty_strided.default)
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def find_buffer_copy_matches(graph: fx.Graph, result: PassResult) -> list[_BufferCopyMatch]:
@@ -179,8 +182,9 @@ def find_buffer_copy_matches(graph: fx.Graph, result: PassResult) -> list[_Buffe
                 and b.dtype == v.dtype and b.device == v.device
                 and _same_sizes(b.shape, v.shape) and _contiguous(b) and _contiguous(v)):
             continue
-        if _is_graph_output(node):
-            result.skip(node, "buffer copy", "the copy is a graph output; it stays a copy")
+        if _is_graph_output(node) and src.target is not _WAIT:
+            result.skip(node, "buffer copy", "the copy is a graph output and its source is not "
+                        "a collective's result; it stays a copy")
             continue
         matches.append(_BufferCopyMatch(node=node, buffer=buffer))
     return matches
@@ -202,6 +206,28 @@ def _contiguous(t: torch.Tensor) -> bool:
             return False
         expected = expected * size
     return True
+
+
+def find_alias_matches(graph: fx.Graph, result: PassResult) -> list[_ReshapeMatch]:
+    """Every ``aten.alias`` that is not a graph output: the same tensor, same shape and strides
+    (activation checkpointing's graphs spell the in-place gather's buffer through them)."""
+    matches = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.alias.default:
+            continue
+        if _is_graph_output(node):
+            result.skip(node, "alias", "the alias is a graph output; AOTAutograd recorded it "
+                        "as a view of its input")
+            continue
+        matches.append(_ReshapeMatch(node=node))
+    return matches
+
+
+def rewrite_alias(match: _ReshapeMatch) -> None:
+    """``alias(x)`` -> ``x``."""
+    node = match.node
+    node.replace_all_uses_with(node.args[0])
+    node.graph.erase_node(node)
 
 
 def rewrite_buffer_copy(match: _BufferCopyMatch) -> None:
@@ -271,6 +297,9 @@ def canonicalize_pass(gm: fx.GraphModule, options=None) -> PassResult:
     for match in find_dead_code_matches(gm.graph, result):
         rewrite_dead_code(match)
         result.rewrite(match.node, "dead code")
+    for match in find_alias_matches(gm.graph, result):
+        result.rewrite(match.node, "alias")
+        rewrite_alias(match)
     for match in find_buffer_copy_matches(gm.graph, result):
         result.rewrite(match.node, "buffer copy")
         rewrite_buffer_copy(match)

@@ -570,12 +570,36 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
     sub = _trace(schedule, inputs)
     (out,) = _inline(graph, sub, inputs, match.wait, site.name)
     scattered.replace_all_uses_with(out)
+    _feed_moved_readers(graph, match, scattered, out)
     replaced = [scattered, match.wait, match.reduce_scatter, *match.reassembly, match.reduced,
                 *match.via, match.matmul]
     _detach_metadata_readers(replaced)
     _erase_if_dead(graph, replaced)
     result.rewrite(site, RS_SITE)
     return True
+
+
+def _feed_moved_readers(graph: fx.Graph, match: ReduceScatterMatch, scattered: fx.Node,
+                        out: fx.Node) -> None:
+    """Readers of the wait besides the movedim back (``match.scattered``; e.g. the graph
+    output, when the partitioner saves the result in its moved layout) read the rewrite's
+    result ``out`` moved back, as a contiguous tensor like the collective's."""
+    if scattered is match.wait:
+        return
+    graph.erase_node(scattered)
+    if not match.wait.users:
+        return
+    perm = list(scattered.args[1])
+    with graph.inserting_after(out):
+        moved = graph.call_function(aten.permute.default, (out, perm))
+    with graph.inserting_after(moved):
+        dense = graph.call_function(aten.clone.default, (moved,),
+                                    {"memory_format": torch.contiguous_format})
+    moved.meta["val"] = _val(out).permute(perm)
+    dense.meta["val"] = moved.meta["val"].contiguous()
+    for node in (moved, dense):
+        node.meta[SITE_META] = match.reduce_scatter.name
+    match.wait.replace_all_uses_with(dense)
 
 
 def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
@@ -641,6 +665,7 @@ def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *
     sub = _trace(schedule, inputs)
     (out,) = _inline(graph, sub, inputs, match.wait, site.name)
     scattered.replace_all_uses_with(out)
+    _feed_moved_readers(graph, match, scattered, out)
     replaced = [scattered, match.wait, match.reduce_scatter, *match.reassembly, match.reduced,
                 *match.via, *match.adds, *(n for mm, via in match.terms for n in (mm, *via))]
     _detach_metadata_readers(replaced)

@@ -470,6 +470,8 @@ def _movedim_gather(ag: fx.Node, wait: fx.Node):
     rewrite gathers ``x`` on d directly. None for any other form."""
     readers = _readers(wait, keep_output=True)
     inner = ag.args[0]
+    if isinstance(inner, fx.Node) and inner.target in _SAME_LAYOUT:
+        inner = inner.args[0]  # .contiguous() of the moved shard
     if len(readers) != 1:
         return None
     d = _swap_dim(readers[0])
@@ -630,15 +632,20 @@ def _movedim_reduce_scatter(rs: fx.Node, wait: fx.Node):
     """(reduced, scatter dim d, reassembly, scattered) for a reduce-scatter on dim d spelled
     with movedim (torchtitan's default TP backend): ``permute(wait(reduce_scatter(
     [clone](permute(y, p)))), p)`` with p swapping dims 0 and d; ``scattered`` is the last
-    permute, which holds the result in ``y``'s layout. None for any other form."""
+    permute, which holds the result in ``y``'s layout. Other readers of the wait (the
+    partitioner may save the result in its moved layout for the backward) get the rewrite's
+    result moved back (``ReduceScatterMatch.moved_readers``). None for any other form."""
     source = rs.args[0]
     front = [source] if source.target in _SAME_LAYOUT else []
     permuted = source.args[0] if front else source
     d = _swap_dim(permuted)
-    readers = _readers(wait, keep_output=True)
-    if d is None or len(readers) != 1 or _swap_dim(readers[0]) != d:
+    if d is None:
         return None
-    return permuted.args[0], d, (permuted, *front), readers[0]
+    backs = [r for r in _readers(wait, keep_output=True)
+             if _swap_dim(r) == d and r.args[0] is wait]
+    if not backs:
+        return None
+    return permuted.args[0], d, (permuted, *front), backs[0]
 
 
 def _sum_of_matmuls(node: fx.Node):
