@@ -71,7 +71,7 @@ __all__ = ["flash_overlap_pass", "rewrite_all_gather", "rewrite_reduce_scatter",
 log = logging.getLogger("leancompile")
 
 NAME = "flash_overlap"
-VERSION = 2
+VERSION = 3
 
 aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
