@@ -657,7 +657,7 @@ def _sum_of_matmuls(node: fx.Node):
     if not (node.op == "call_function" and node.target is aten.add.Tensor
             and len(node.args) == 2 and not node.kwargs
             and all(isinstance(a, fx.Node) for a in node.args)
-            and all(_shape(a) == _shape(node) for a in node.args)):
+            and all(_same_shape(_shape(a), _shape(node)) for a in node.args)):
         return None
     left, right = node.args
     right_term = _matmul_term(right)
@@ -903,6 +903,12 @@ def _cat_dim(cat: fx.Node, shape: tuple) -> int:
 
 def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
+
+
+def _same_shape(a: tuple, b: tuple) -> bool:
+    """Shapes equal, decided without guards (``(s0, 4) == (4,)`` in Python would compare
+    ``s0 == 4`` and specialize ``s0``)."""
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
 
 def _same(a, b) -> bool:
