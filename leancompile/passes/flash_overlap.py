@@ -514,9 +514,6 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
     with this rank's Flash-RS schedule (ring or direct), or the sliced baseline: output
     reduce-scatters (row-parallel) and weight-gradient reduce-scatters (``dW = mm(t(dY), X)``,
     FSDP-style) alike, scattered on the product's rows or columns."""
-    from ..runtime.flash_schedules import flash_matmul_reduce_scatter, sliced_matmul_reduce_scatter
-
-    graph = gm.graph
     site = match.reduce_scatter
     if match.terms:
         return _rewrite_sum_reduce_scatter(gm, match, chunks_per_rank=chunks_per_rank,
@@ -559,20 +556,39 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
     def schedule(a_, b_, *rest):
         h, w = (b_.t(), a_.t()) if transposed else (a_, b_)
         h = h.reshape(in_shape)  # symbolic sizes stay raw: _bind_symbolic_sizes binds them
-        bias_ = rest[0] if bias is not None else None
-        if overlap == "slice":
-            return sliced_matmul_reduce_scatter(h, w, group_name=group, scatter_dim=dim,
-                                                chunks=chunks, bias=bias_, out_dtype=out_dtype)
-        return flash_matmul_reduce_scatter(h, w, group_name=group, scatter_dim=dim,
-                                           variant=variant, chunks_per_rank=m, bias=bias_,
-                                           out_dtype=out_dtype)
+        return run(h, w, rest[0] if bias is not None else None)
 
+    run = _rs_schedule(overlap, group_name=group, scatter_dim=dim, chunks=chunks,
+                       variant=variant, chunks_per_rank=m, out_dtype=out_dtype)
+    return _place_reduce_scatter(gm, match, scattered, schedule, inputs, [match.matmul],
+                                 result)
+
+
+def _rs_schedule(overlap: str, *, chunks: int, variant: str, chunks_per_rank: int, **fixed):
+    """``run(h, w, bias)``: the runtime reduce-scatter schedule of ``overlap`` (the sliced
+    baseline, or Flash-RS) with the options that apply to it."""
+    from ..runtime.flash_schedules import flash_matmul_reduce_scatter, sliced_matmul_reduce_scatter
+
+    if overlap == "slice":
+        return lambda h, w, bias: sliced_matmul_reduce_scatter(h, w, chunks=chunks, bias=bias,
+                                                               **fixed)
+    return lambda h, w, bias: flash_matmul_reduce_scatter(
+        h, w, variant=variant, chunks_per_rank=chunks_per_rank, bias=bias, **fixed)
+
+
+def _place_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, scattered: fx.Node,
+                          schedule, inputs: list, products: list, result: PassResult) -> bool:
+    """Trace ``schedule`` over ``inputs`` in front of the wait, hand its result to the readers
+    of ``scattered``, and erase the collective and ``products`` (the matmuls and what lies
+    between them and the collective)."""
+    graph = gm.graph
+    site = match.reduce_scatter
     sub = _trace(schedule, inputs)
     (out,) = _inline(graph, sub, inputs, match.wait, site.name)
     scattered.replace_all_uses_with(out)
     _feed_moved_readers(graph, match, scattered, out)
-    replaced = [scattered, match.wait, match.reduce_scatter, *match.reassembly, match.reduced,
-                *match.via, match.matmul]
+    replaced = [scattered, match.wait, site, *match.reassembly, match.reduced, *match.via,
+                *products]
     _detach_metadata_readers(replaced)
     _erase_if_dead(graph, replaced)
     result.rewrite(site, RS_SITE)
@@ -613,9 +629,6 @@ def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *
         add(view(mm(dy1, w1t)), view(mm(dy3, w3t))) -> [split+cat] -> reduce_scatter -> wait
         =>  flash_matmul_reduce_scatter([dy1, dy3], [w1t, w3t], ...)
     """
-    from ..runtime.flash_schedules import flash_matmul_reduce_scatter, sliced_matmul_reduce_scatter
-
-    graph = gm.graph
     site = match.reduce_scatter
     reduced_shape = tuple(_val(match.reduced).shape)
     rows = math.prod(reduced_shape[:-1])
@@ -655,23 +668,12 @@ def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *
             hs.append(a_.reshape([*reduced_shape[:-1], a_.shape[-1]]))
             ws.append(b_)
             bs.append(bias_[0] if bias_ else None)
-        if overlap == "slice":
-            return sliced_matmul_reduce_scatter(hs, ws, group_name=group, scatter_dim=dim,
-                                                chunks=chunks, bias=bs, out_dtype=out_dtype)
-        return flash_matmul_reduce_scatter(hs, ws, group_name=group, scatter_dim=dim,
-                                           variant=variant, chunks_per_rank=m, bias=bs,
-                                           out_dtype=out_dtype)
+        return run(hs, ws, bs)
 
-    sub = _trace(schedule, inputs)
-    (out,) = _inline(graph, sub, inputs, match.wait, site.name)
-    scattered.replace_all_uses_with(out)
-    _feed_moved_readers(graph, match, scattered, out)
-    replaced = [scattered, match.wait, match.reduce_scatter, *match.reassembly, match.reduced,
-                *match.via, *match.adds, *(n for mm, via in match.terms for n in (mm, *via))]
-    _detach_metadata_readers(replaced)
-    _erase_if_dead(graph, replaced)
-    result.rewrite(site, RS_SITE)
-    return True
+    run = _rs_schedule(overlap, group_name=group, scatter_dim=dim, chunks=chunks,
+                       variant=variant, chunks_per_rank=m, out_dtype=out_dtype)
+    products = [*match.adds, *(n for mm, via in match.terms for n in (mm, *via))]
+    return _place_reduce_scatter(gm, match, scattered, schedule, inputs, products, result)
 
 
 def _describe_via(via) -> str:
