@@ -60,9 +60,9 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .flash_overlap_match import (AG_SITE, RS_SITE, AllGatherMatch, ReduceScatterMatch,
-                                  find_all_gather_matches, find_reduce_scatter_matches,
-                                  is_backward_graph)
+from .flash_overlap_match import (_SAME_LAYOUT, AG_SITE, RS_SITE, AllGatherMatch,
+                                  ReduceScatterMatch, find_all_gather_matches,
+                                  find_reduce_scatter_matches, is_backward_graph)
 from .result import PassResult
 
 __all__ = ["flash_overlap_pass", "rewrite_all_gather", "rewrite_reduce_scatter", "NAME",
@@ -75,7 +75,6 @@ VERSION = 3
 
 aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-_SAME_LAYOUT = (aten.clone.default, aten.alias.default)
 _MATMULS = (aten.mm.default, aten.addmm.default)
 
 
@@ -541,13 +540,6 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
                     f"reduce-scatter input {reduced_shape} ({_describe_via(layout)}) is not a "
                     "reshape of the leading dims, the product, or (without bias) its transpose")
         return False
-    expected = list(reduced_shape)
-    expected[match.scatter_dim] //= match.group_size
-    scattered = match.scattered or match.wait
-    if tuple(_val(scattered).shape) != tuple(expected):
-        result.skip(site, RS_SITE, f"the reduce-scatter result has shape "
-                    f"{tuple(_val(scattered).shape)}, not the scattered {tuple(expected)}")
-        return False
     in_shape = list(reduced_shape[:-1]) + [_val(a).shape[-1]]
     group, dim, m = match.group_name, match.scatter_dim, chunks_per_rank
     inputs = [a, b] + ([bias] if bias is not None else [])
@@ -560,8 +552,7 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
 
     run = _rs_schedule(overlap, group_name=group, scatter_dim=dim, chunks=chunks,
                        variant=variant, chunks_per_rank=m, out_dtype=out_dtype)
-    return _place_reduce_scatter(gm, match, scattered, schedule, inputs, [match.matmul],
-                                 result)
+    return _place_reduce_scatter(gm, match, schedule, inputs, [match.matmul], result)
 
 
 def _rs_schedule(overlap: str, *, chunks: int, variant: str, chunks_per_rank: int, **fixed):
@@ -576,13 +567,21 @@ def _rs_schedule(overlap: str, *, chunks: int, variant: str, chunks_per_rank: in
         h, w, variant=variant, chunks_per_rank=chunks_per_rank, bias=bias, **fixed)
 
 
-def _place_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, scattered: fx.Node,
-                          schedule, inputs: list, products: list, result: PassResult) -> bool:
+def _place_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, schedule,
+                          inputs: list, products: list, result: PassResult) -> bool:
     """Trace ``schedule`` over ``inputs`` in front of the wait, hand its result to the readers
-    of ``scattered``, and erase the collective and ``products`` (the matmuls and what lies
-    between them and the collective)."""
+    of the scattered tensor (``match.scattered`` or the wait), and erase the collective and
+    ``products`` (the matmuls and what lies between them and the collective); or skip the site
+    when the collective's result is not the reduced tensor scattered on its dim."""
     graph = gm.graph
     site = match.reduce_scatter
+    expected = list(_val(match.reduced).shape)
+    expected[match.scatter_dim] //= match.group_size
+    scattered = match.scattered or match.wait
+    if tuple(_val(scattered).shape) != tuple(expected):
+        result.skip(site, RS_SITE, f"the reduce-scatter result has shape "
+                    f"{tuple(_val(scattered).shape)}, not the scattered {tuple(expected)}")
+        return False
     sub = _trace(schedule, inputs)
     (out,) = _inline(graph, sub, inputs, match.wait, site.name)
     scattered.replace_all_uses_with(out)
@@ -650,13 +649,6 @@ def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *
         term = [a, b] + ([bias] if bias is not None else [])
         inputs += term
         counts.append(len(term))
-    expected = list(reduced_shape)
-    expected[match.scatter_dim] //= match.group_size
-    scattered = match.scattered or match.wait
-    if tuple(_val(scattered).shape) != tuple(expected):
-        result.skip(site, RS_SITE, f"the reduce-scatter result has shape "
-                    f"{tuple(_val(scattered).shape)}, not the scattered {tuple(expected)}")
-        return False
     group, dim, m = match.group_name, match.scatter_dim, chunks_per_rank
     out_dtype = _val(match.reduced).dtype if match.casts else None
 
@@ -673,7 +665,7 @@ def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *
     run = _rs_schedule(overlap, group_name=group, scatter_dim=dim, chunks=chunks,
                        variant=variant, chunks_per_rank=m, out_dtype=out_dtype)
     products = [*match.adds, *(n for mm, via in match.terms for n in (mm, *via))]
-    return _place_reduce_scatter(gm, match, scattered, schedule, inputs, products, result)
+    return _place_reduce_scatter(gm, match, schedule, inputs, products, result)
 
 
 def _describe_via(via) -> str:

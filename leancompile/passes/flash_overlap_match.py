@@ -634,7 +634,7 @@ def _movedim_reduce_scatter(rs: fx.Node, wait: fx.Node):
     [clone](permute(y, p)))), p)`` with p swapping dims 0 and d; ``scattered`` is the last
     permute, which holds the result in ``y``'s layout. Other readers of the wait (the
     partitioner may save the result in its moved layout for the backward) get the rewrite's
-    result moved back (``ReduceScatterMatch.moved_readers``). None for any other form."""
+    result moved back (``flash_overlap._feed_moved_readers``). None for any other form."""
     source = rs.args[0]
     front = [source] if source.target in _SAME_LAYOUT else []
     permuted = source.args[0] if front else source
@@ -710,9 +710,8 @@ def _match_sum(rs, summed, via, reduced, scatter_dim, reassembly, wait, reduce_o
                     "scattered on the product's rows")
     needs_guard = _divisible(shape[scatter_dim], group_size, divisor,
                              f"scatter dim {scatter_dim}", allow_guards)
-    first, first_via = terms[0]
     return ReduceScatterMatch(
-        kind="rs_output", matmul=first, dim="M", via=via, reduced=reduced,
+        kind="rs_output", matmul=terms[0][0], dim="M", via=via, reduced=reduced,
         reassembly=reassembly, reduce_scatter=rs, wait=wait, reduce_op=str(reduce_op),
         scatter_dim=scatter_dim, group_name=group_name, group_size=group_size, shape=shape,
         needs_guard=needs_guard, dims=(), casts=tuple(n for n in via if _is_cast(n)),

@@ -302,7 +302,9 @@ def _check_rs_terms(fn: str, terms, scatter_dim: int, n: int, pieces: int,
     shapes = [(*h.shape[:-1], w.size(1)) for h, w, _ in terms]
     if any(shape != shapes[0] for shape in shapes[1:]):
         raise ValueError(f"{fn}: the matmuls of a sum have different output shapes {shapes}")
-    return [_check_rs(fn, h, w, scatter_dim, n, pieces, pieces_name) for h, w, _ in terms][0]
+    for h, w, _ in terms:
+        d, size = _check_rs(fn, h, w, scatter_dim, n, pieces, pieces_name)
+    return d, size
 
 
 def _partial(terms: list[tuple[Tensor, Tensor, Tensor | None]], d: int, ranges,
