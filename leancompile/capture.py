@@ -167,16 +167,23 @@ class StepGraphs:
     """The backward graph as aten ops that run eagerly (after the pipeline with ``aot_eager``;
     before Inductor's lowering otherwise): what batched Reweight runs under ``torch.func.vmap``
     (one batch-1 backward per row, vectorised)."""
+    _kept_bytes_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """``kept_bytes`` by batch (substituting into sympy expressions costs milliseconds, and the
+    trainer and the wrapper ask on every call)."""
 
     def kept_bytes(self, batch: int) -> int:
         """Bytes a forward's saved tensors hold beyond its inputs, for ``batch`` rows: each
         storage once (a view costs nothing of its own)."""
+        total = self._kept_bytes_at.get(batch)
+        if total is not None:
+            return total
         total = 0
         for nbytes in self.kept_roots.values():
             if isinstance(nbytes, torch.SymInt):
                 subs = {self.batch_symbol: batch} if self.batch_symbol is not None else {}
                 nbytes = int(nbytes.node.expr.subs(subs))
             total += int(nbytes)
+        self._kept_bytes_at[batch] = total
         return total
 
     @property

@@ -97,6 +97,12 @@ class StepConfig:
     """Reweight: rows per vectorised backward (``torch.func.vmap`` of the batch-1 backward over
     the rows); None: as many as the memory budget leaves room for (parameter gradients and
     working memory per row); 1: one backward per row."""
+    zero_grads: bool = True
+    """Reweight, one buffer per sample: an update call that completes no sample's buffer yet
+    hands autograd zeros for the parameters' gradients (True: every backward reaches every
+    parameter, which ``DistributedDataParallel``'s reducer requires) or nothing (False: no
+    parameter-sized zeros written and added to ``.grad`` per call; for callers that read
+    ``.grad`` only after the last update call, as ``GRPOTrainer`` does)."""
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -388,6 +394,8 @@ class _GraphRuntime:
         self.trainable_sources = [graphs.roles[i].source for i in self.params]
         self._at_one: tuple | None = None
         self._vmap_backward: fx.GraphModule | None = None
+        self._row_backwards: dict = {}
+        """Reweight's compiled per-row backwards, by (rows, batch, output, sizes)."""
         self._rows_like: dict[str, int] = {}
         """For a graph specialised to a batch of 1: the rows per sample of each input, from the
         kept graph with a symbolic batch that computes the same (``_fingerprint_for``)."""
@@ -660,9 +668,14 @@ class _GraphRuntime:
             return
         # One buffer per sample: its rows' gradients summed (the paper's G_i).
         merged = self.step._state.sample_grads.setdefault((kept.samples[row], q), {})
-        for source, gr in row_grads.items():
-            if gr is not None:
-                merged[source] = gr.clone() if source not in merged else merged[source] + gr
+        new = [(source, gr) for source, gr in row_grads.items()
+               if gr is not None and source not in merged]
+        old = [(merged[source], gr) for source, gr in row_grads.items()
+               if gr is not None and source in merged]
+        if old:  # in place, one call for all parameters
+            torch._foreach_add_([m for m, _ in old], [gr for _, gr in old])
+        for source, gr in new:
+            merged[source] = gr.clone()
 
     def row_grad_bytes(self, args) -> int:
         """Bytes of one row's gradient of one scalar output (the trainable parameters)."""
@@ -701,48 +714,93 @@ class _GraphRuntime:
                                trainable: list) -> dict:
         """{parameter source: [len(rows), *shape] gradients of output ``q`` of each row}: the
         batch-1 backward graph under ``vmap`` over the rows' saved tensors (their row slices,
-        stacked), cotangent 1 on output ``q``."""
+        stacked), cotangent 1 on output ``q``; traced once per (rows, sizes, output) into one
+        aten graph and compiled with the step's compiler (``_row_backward``)."""
+        g = self.g
+        layouts = g.layouts["saved"]
+        symbols = dict(kept.symbols)
+        key = (tuple(rows), kept.batch, q, tuple(sorted((str(s), v) for s, v in
+                                                        symbols.items())))
+        inputs = [kept.saved[k] for k in g.bw_saved
+                  if layouts[k] != "symint" and layouts[k] is not None] + \
+            [kept.saved[k] for k in g.bw_saved if layouts[k] is None]
+        run = self._row_backwards.get(key)
+        if run is None:
+            run = self._row_backward(kept, rows, q, trainable, inputs)
+            self._row_backwards[key] = run
+        with torch.no_grad():
+            stacked = run(inputs)
+        out_node = next(n for n in self._vmappable_backward().graph.nodes if n.op == "output")
+        produced = [i for i, _ in trainable if out_node.args[0][i] is not None]
+        by_index = dict(zip(produced, stacked))
+        return {source: by_index.get(i) for i, source in trainable}
+
+    def _row_backward(self, kept: _Kept, rows: list[int], q: int, trainable: list,
+                      inputs: list) -> Callable:
+        """The per-row gradients of output ``q`` for ``rows`` of a kept call, as one compiled
+        function of the kept saved tensors (row-held ones first, then the shared ones).
+
+        Before: the batch-1 backward graph ``bw(saved_1, ..., tangents) -> grads``. Traced here
+        (``make_fx`` of ``vmap`` over the rows' slices, with fake tensors) into one aten graph in
+        which every op holds all the rows at once (``mm`` of a weight gradient becomes ``bmm``,
+        attention folds the rows into its batch)::
+
+            def rows_backward(saved_row_held..., saved_shared...):
+                a = saved_0.view(outer, batch, inner, ...)[:, rows].movedim(1, 0)...
+                ...
+                return (bmm(...), ...)          # [len(rows), *param.shape] each
+
+        then compiled like the step's own graphs (``inductor``: ``compile_fx``; ``aot_eager``:
+        run as traced), so Reweight's backward runs the same kernels as recompute's."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
         g = self.g
         layouts = g.layouts["saved"]
         symbols = dict(kept.symbols)
         symbols[g.batch_symbol] = 1
-        fixed, batched_pos, per_row = [], [], []
-        index = torch.tensor(rows, device=kept.outputs[q].device)
-        for k in g.bw_saved:
-            layout = layouts[k]
-            if layout == "symint":
-                fixed.append(_saved_size(g, k, symbols))
-            elif layout is None:
-                fixed.append(kept.saved[k])
-            else:
-                t = kept.saved[k]
-                blocks = t.reshape(layout.outer, kept.batch, layout.inner, *t.shape[1:])
-                rows_first = blocks.index_select(1, index).movedim(1, 0)
-                batched_pos.append(len(fixed))
-                fixed.append(None)
-                per_row.append(rows_first.reshape(len(rows), layout.outer * layout.inner,
-                                                  *t.shape[1:]))
-        tangents = []
-        for j in g.differentiable:
-            shape = _row_shape(kept.outputs[j], self.g.layouts["outputs"][j], kept.batch)
-            fill = torch.ones if j == q else torch.zeros
-            tangents.append(fill(shape, dtype=kept.outputs[j].dtype,
-                                 device=kept.outputs[j].device))
+        batch, count = kept.batch, len(rows)
+        contiguous = rows == list(range(rows[0], rows[0] + count))
+        held = [k for k in g.bw_saved if layouts[k] != "symint" and layouts[k] is not None]
+        shared = [k for k in g.bw_saved if layouts[k] is None]
+        sizes = {k: _saved_size(g, k, symbols) for k in g.bw_saved if layouts[k] == "symint"}
+        tangent_shapes = [(_row_shape(kept.outputs[j], g.layouts["outputs"][j], batch),
+                           kept.outputs[j].dtype, j == q) for j in g.differentiable]
         graph = self._vmappable_backward()
         out_node = next(n for n in graph.graph.nodes if n.op == "output")
         produced = [i for i, _ in trainable if out_node.args[0][i] is not None]
 
-        def one_row(*row_saved):
-            values = list(fixed)
-            for pos, t in zip(batched_pos, row_saved):
-                values[pos] = t
-            grads = graph(*values, *tangents)
-            return tuple(grads[i] for i in produced)
+        def rows_backward(*tensors):
+            by_k = dict(zip(held + shared, tensors))
+            per_row = []
+            for k in held:
+                layout, t = layouts[k], by_k[k]
+                blocks = t.reshape(layout.outer, batch, layout.inner, *t.shape[1:])
+                blocks = blocks[:, rows[0]:rows[0] + count] if contiguous else \
+                    blocks[:, torch.tensor(rows, device=t.device)]
+                per_row.append(blocks.movedim(1, 0).reshape(
+                    count, layout.outer * layout.inner, *t.shape[1:]))
+            tangents = [(torch.ones if one else torch.zeros)(shape, dtype=dtype,
+                                                             device=tensors[0].device)
+                        for shape, dtype, one in tangent_shapes]
+
+            def one_row(*row_saved):
+                it = iter(row_saved)
+                values = [sizes[k] if k in sizes else by_k[k] if k in shared else next(it)
+                          for k in g.bw_saved]
+                grads = graph(*values, *tangents)
+                return tuple(grads[i] for i in produced)
+
+            return torch.func.vmap(one_row)(*per_row)
 
         with torch.no_grad():
-            stacked = torch.func.vmap(one_row)(*per_row)
-        by_index = dict(zip(produced, stacked))
-        return {source: by_index.get(i) for i, source in trainable}
+            traced = make_fx(rows_backward, tracing_mode="fake")(*inputs)
+        if self.step.options.compiler == "aot_eager":
+            return lambda args: traced(*args)
+        from torch._inductor.compile_fx import compile_fx
+
+        with torch.no_grad():
+            compiled = compile_fx(traced, list(inputs))
+        return lambda args: compiled(*args)
 
     # -- gathering -------------------------------------------------------------------------
     def _runs(self, assignment):
@@ -964,7 +1022,8 @@ class _GraphRuntime:
                         if weight is not None:
                             add({source: None if gr is None else gr * weight
                                  for source, gr in kept.grads[(row, q)].items()})
-            return [total[s] if s in total else torch.zeros_like(args[i])
+            zero = self.step.config.zero_grads
+            return [total[s] if s in total else torch.zeros_like(args[i]) if zero else None
                     for s, i in zip(sources, trainable)]
 
         results = Reused.apply(backward_fn, outputs, *[args[i] for i in trainable])

@@ -292,7 +292,7 @@ def test_inductor_compiled_graphs_match_aot_eager():
                                        schedule="recompute")
     trainer = GRPOTrainer(policy, mean_latent_reward, None,
                           GRPOConfig(group_size=2, compiler="inductor"))
-    for schedule in ("recompute", "retain"):
+    for schedule in ("recompute", "retain", "reweight"):
         result = trainer.compute_gradients(conditions, torch.Generator().manual_seed(0),
                                            schedule=schedule)
         cos, rel = agreement(result.grads, base.grads)

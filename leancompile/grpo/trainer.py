@@ -294,10 +294,18 @@ class GRPOTrainer:
         if key not in self._steps:
             module = PolicyStep(self.policy, sde=cfg.sde, eta=cfg.eta, condition_keys=keys,
                                 with_kl=cfg.beta > 0)
+            # Reweight's update calls before a sample's last hand autograd no zeros (.grad is
+            # read after the last), unless a DistributedDataParallel inside the policy needs a
+            # gradient for every parameter in every backward.
+            from torch.nn.parallel import DistributedDataParallel
+
+            ddp = isinstance(self.policy, torch.nn.Module) and any(
+                isinstance(m, DistributedDataParallel) for m in self.policy.modules())
             self._steps[key] = LeanStep(
                 module, options=CompileOptions(compiler=cfg.compiler, schedule="auto"),
                 config=StepConfig(schedule="retain", partitioner_budget=partitioner_budget,
-                                  sample_output=0, sample_arg="prev_sample"))
+                                  sample_output=0, sample_arg="prev_sample",
+                                  zero_grads=ddp))
         return self._steps[key]
 
     def _grad_bytes(self) -> int:
