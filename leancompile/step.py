@@ -777,8 +777,10 @@ class _GraphRuntime:
                 blocks = t.reshape(layout.outer, batch, layout.inner, *t.shape[1:])
                 blocks = blocks[:, rows[0]:rows[0] + count] if contiguous else \
                     blocks[:, torch.tensor(rows, device=t.device)]
+                # Contiguous: the batch-1 graph views its saved tensors as AOTAutograd saved
+                # them (several blocks per row come out strided otherwise).
                 per_row.append(blocks.movedim(1, 0).reshape(
-                    count, layout.outer * layout.inner, *t.shape[1:]))
+                    count, layout.outer * layout.inner, *t.shape[1:]).contiguous())
             tangents = [(torch.ones if one else torch.zeros)(shape, dtype=dtype,
                                                              device=tensors[0].device)
                         for shape, dtype, one in tangent_shapes]

@@ -55,10 +55,29 @@ class RowLayout:
 
 
 @dataclass(frozen=True)
+class _Uniform(RowLayout):
+    """A batch-sized tensor made from no batch input (``empty``, ``zeros``, an expand): every
+    row holds the same (or nothing yet), so it fits whatever row layout it meets."""
+
+
+@dataclass(frozen=True)
 class Mixed:
     """Rows of different samples meet, or the batch leaves dim 0; ``reason`` says where."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class _Lifted:
+    """A tensor with ``blocks`` (a static count) in dim 0 and rows laid out as ``base`` in dim
+    1: ``x.unsqueeze(0)`` on the way to ``cat([x, x])`` spelled as decompositions spell it
+    (``unsqueeze(x, 0) -> expand(k, ...) -> clone -> view(k * dim0, ...)``, e.g. classifier-free
+    guidance doubling the latents). Only an expand, a clone or a view that merges dims 0 and 1
+    may read it (the view gives ``RowLayout(blocks * base.outer, base.inner)``); anything else
+    is ``Mixed``. Never a graph output's layout."""
+
+    blocks: int
+    base: RowLayout
 
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -171,6 +190,14 @@ class _Analysis:
             if isinstance(layout, Mixed):
                 return layout
         val = _val(node)
+        lifted = [a for a, lay in zip(inputs, layouts) if isinstance(lay, _Lifted)]
+        if lifted:
+            return self.lifted(node, lifted[0], sum(isinstance(_val(a), torch.Tensor)
+                                                    for a in inputs))
+        if node.target is aten.unsqueeze.default and isinstance(val, torch.Tensor) and \
+                layouts and isinstance(layouts[0], RowLayout) and \
+                _norm(node.args[1], val.dim()) == 0:
+            return _Lifted(1, layouts[0])
         if node.target is operator.getitem:
             source = self.state.get(node.args[0])
             if isinstance(source, tuple):
@@ -186,7 +213,8 @@ class _Analysis:
             if shaped is None:
                 return None
             if node.target in _FILLS:
-                return shaped
+                return _Uniform(shaped.outer, shaped.inner) if isinstance(shaped, RowLayout) \
+                    else shaped
             return Mixed(f"{_name(node)} makes a batch-sized tensor from no batch input")
         if isinstance(shaped, Mixed):
             return Mixed(f"{_name(node)}: {shaped.reason}")
@@ -287,8 +315,11 @@ class _Analysis:
         if target in (aten.expand.default,):
             return first if _dim0_of(val) == _dim0(first, symbol) else \
                 Mixed(f"{_name(node)} expands dim 0")
-        # Any other op: dim 0 kept as it is, every batch-carrying input in one layout.
+        # Any other op: dim 0 kept as it is, every batch-carrying input in one layout (a
+        # _Uniform input fits any).
         dim0 = _dim0_of(val)
+        first = next((self.state[a] for a in carrying
+                      if not isinstance(self.state[a], _Uniform)), first)
         for arg in carrying:
             lay = self.state[arg]
             arg_dim0 = _dim0_of(_val(arg))
@@ -296,10 +327,30 @@ class _Analysis:
                 if sympy.simplify(arg_dim0 - 1) == 0:  # broadcast from a size-1 dim 0
                     continue
                 return Mixed(f"{_name(node)} changes dim 0 from {arg_dim0} to {dim0}")
-            if lay != first:
+            if lay != first and not isinstance(lay, _Uniform):
                 return Mixed(f"{_name(node)} combines tensors with different row layouts "
                              f"({first} and {lay})")
         return first
+
+    def lifted(self, node, source, count: int):
+        """An op reading a ``_Lifted`` tensor (see there); ``count``: its tensor inputs."""
+        lay, src, val = self.state[source], _val(source), _val(node)
+        outside = Mixed(f"{_name(node)}: the batch is outside dim 0 (shape {tuple(src.shape)})")
+        if count != 1 or not isinstance(val, torch.Tensor):
+            return outside
+        same = (lambda a, b: len(a) == len(b) and all(
+            sympy.simplify(_expr(x) - _expr(y)) == 0 for x, y in zip(a, b)))
+        if node.target is aten.expand.default:
+            if isinstance(val.shape[0], int) and same(val.shape[1:], src.shape[1:]):
+                return _Lifted(val.shape[0], lay.base)
+            return outside
+        if node.target in (aten.clone.default, aten.contiguous.default):
+            return lay
+        if node.target in _VIEWS and val.dim() == src.dim() - 1 and \
+                same(val.shape[1:], src.shape[2:]) and \
+                sympy.simplify(_expr(val.shape[0]) - lay.blocks * _expr(src.shape[1])) == 0:
+            return RowLayout(lay.blocks * lay.base.outer, lay.base.inner)
+        return outside
 
     def lookup(self, node, val):
         """Indexing: rows looked up in a batch-independent table by batch-carrying indices
