@@ -80,9 +80,6 @@ def lean_grpo_pass(gm, options=None) -> PassResult:
                            "update calls of exactly its rows")
         else:
             layout = state.get(node)
-            if layout is not None and not isinstance(layout, (RowLayout, Mixed)):
-                layout = Mixed(f"{node} holds the batch outside dim 0 "
-                               f"(shape {tuple(val.shape)})")
         layouts.append(layout)
         if isinstance(layout, Mixed):
             reasons.append(f"{what}: {layout.reason}")

@@ -180,6 +180,10 @@ class _Analysis:
         for node in self.gm.graph.nodes:
             if node.op == "call_function":
                 self.state[node] = self.visit(node)
+        for node, layout in self.state.items():  # a lifted tensor read by nothing that merges
+            if isinstance(layout, _Lifted):
+                self.state[node] = Mixed(f"{_name(node)}: the batch is outside dim 0 (shape "
+                                         f"{tuple(_val(node).shape)})")
         return self.state
 
     # -- one node ---------------------------------------------------------------------------
