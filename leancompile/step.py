@@ -395,7 +395,7 @@ class _GraphRuntime:
         self._at_one: tuple | None = None
         self._vmap_backward: fx.GraphModule | None = None
         self._row_backwards: dict = {}
-        """Reweight's compiled per-row backwards, by (rows, batch, output, sizes)."""
+        """Reweight's compiled per-row backwards, by (number of rows, output, sizes)."""
         self._rows_like: dict[str, int] = {}
         """For a graph specialised to a batch of 1: the rows per sample of each input, from the
         kept graph with a symbolic batch that computes the same (``_fingerprint_for``)."""
@@ -714,41 +714,57 @@ class _GraphRuntime:
                                trainable: list) -> dict:
         """{parameter source: [len(rows), *shape] gradients of output ``q`` of each row}: the
         batch-1 backward graph under ``vmap`` over the rows' saved tensors (their row slices,
-        stacked), cotangent 1 on output ``q``; traced once per (rows, sizes, output) into one
-        aten graph and compiled with the step's compiler (``_row_backward``)."""
+        stacked here), cotangent 1 on output ``q``; traced once per (number of rows, sizes,
+        output) into one aten graph and compiled with the step's compiler (``_row_backward``).
+        Which rows they are does not matter to the compiled graph: DanceGRPO's per-sample
+        step subsets train other rows at every step."""
         g = self.g
         layouts = g.layouts["saved"]
-        symbols = dict(kept.symbols)
-        key = (tuple(rows), kept.batch, q, tuple(sorted((str(s), v) for s, v in
-                                                        symbols.items())))
-        inputs = [kept.saved[k] for k in g.bw_saved
-                  if layouts[k] != "symint" and layouts[k] is not None] + \
-            [kept.saved[k] for k in g.bw_saved if layouts[k] is None]
+        per_row, shared = [], []
+        index = None if rows == list(range(rows[0], rows[0] + len(rows))) else \
+            torch.tensor(rows, device=kept.outputs[q].device)
+        for k in g.bw_saved:
+            layout = layouts[k]
+            if layout is None:
+                shared.append(kept.saved[k])
+            elif layout != "symint":
+                t = kept.saved[k]
+                blocks = t.reshape(layout.outer, kept.batch, layout.inner, *t.shape[1:])
+                blocks = blocks[:, rows[0]:rows[0] + len(rows)] if index is None else \
+                    blocks.index_select(1, index)
+                # Contiguous: the batch-1 graph views its saved tensors as AOTAutograd saved
+                # them (several blocks per row come out strided otherwise).
+                per_row.append(blocks.movedim(1, 0).reshape(
+                    len(rows), layout.outer * layout.inner, *t.shape[1:]).contiguous())
+        symbols = {str(s): v for s, v in kept.symbols.items() if s != g.batch_symbol}
+        key = (len(rows), q, tuple(sorted(symbols.items())))
         run = self._row_backwards.get(key)
         if run is None:
-            run = self._row_backward(kept, rows, q, trainable, inputs)
+            run = self._row_backward(kept, q, trainable, per_row + shared)
             self._row_backwards[key] = run
         with torch.no_grad():
-            stacked = run(inputs)
-        out_node = next(n for n in self._vmappable_backward().graph.nodes if n.op == "output")
-        produced = [i for i, _ in trainable if out_node.args[0][i] is not None]
-        by_index = dict(zip(produced, stacked))
+            stacked = run(per_row + shared)
+        by_index = dict(zip(self._produced(trainable), stacked))
         return {source: by_index.get(i) for i, source in trainable}
 
-    def _row_backward(self, kept: _Kept, rows: list[int], q: int, trainable: list,
-                      inputs: list) -> Callable:
-        """The per-row gradients of output ``q`` for ``rows`` of a kept call, as one compiled
-        function of the kept saved tensors (row-held ones first, then the shared ones).
+    def _produced(self, trainable: list) -> list[int]:
+        """Indices of the trainable inputs the backward graph gives a gradient for."""
+        out = next(n for n in self._vmappable_backward().graph.nodes if n.op == "output")
+        return [i for i, _ in trainable if out.args[0][i] is not None]
+
+    def _row_backward(self, kept: _Kept, q: int, trainable: list, inputs: list) -> Callable:
+        """The per-row gradients of output ``q``, as one compiled function of the rows' stacked
+        saved tensors (``[rows, *per-row shape]``, in the backward's order) and then the saved
+        tensors every row shares.
 
         Before: the batch-1 backward graph ``bw(saved_1, ..., tangents) -> grads``. Traced here
-        (``make_fx`` of ``vmap`` over the rows' slices, with fake tensors) into one aten graph in
-        which every op holds all the rows at once (``mm`` of a weight gradient becomes ``bmm``,
-        attention folds the rows into its batch)::
+        (``make_fx`` of ``vmap`` over dim 0 of the stacked tensors, with fake tensors) into one
+        aten graph in which every op holds all the rows at once (``mm`` of a weight gradient
+        becomes ``bmm``, attention folds the rows into its batch)::
 
-            def rows_backward(saved_row_held..., saved_shared...):
-                a = saved_0.view(outer, batch, inner, ...)[:, rows].movedim(1, 0)...
+            def rows_backward(stacked_0, ..., shared_0, ...):
                 ...
-                return (bmm(...), ...)          # [len(rows), *param.shape] each
+                return (bmm(...), ...)          # [rows, *param.shape] each
 
         then compiled like the step's own graphs (``inductor``: ``compile_fx``; ``aot_eager``:
         run as traced), so Reweight's backward runs the same kernels as recompute's."""
@@ -758,36 +774,23 @@ class _GraphRuntime:
         layouts = g.layouts["saved"]
         symbols = dict(kept.symbols)
         symbols[g.batch_symbol] = 1
-        batch, count = kept.batch, len(rows)
-        contiguous = rows == list(range(rows[0], rows[0] + count))
         held = [k for k in g.bw_saved if layouts[k] != "symint" and layouts[k] is not None]
         shared = [k for k in g.bw_saved if layouts[k] is None]
         sizes = {k: _saved_size(g, k, symbols) for k in g.bw_saved if layouts[k] == "symint"}
-        tangent_shapes = [(_row_shape(kept.outputs[j], g.layouts["outputs"][j], batch),
+        tangent_shapes = [(_row_shape(kept.outputs[j], g.layouts["outputs"][j], kept.batch),
                            kept.outputs[j].dtype, j == q) for j in g.differentiable]
         graph = self._vmappable_backward()
-        out_node = next(n for n in graph.graph.nodes if n.op == "output")
-        produced = [i for i, _ in trainable if out_node.args[0][i] is not None]
+        produced = self._produced(trainable)
 
         def rows_backward(*tensors):
-            by_k = dict(zip(held + shared, tensors))
-            per_row = []
-            for k in held:
-                layout, t = layouts[k], by_k[k]
-                blocks = t.reshape(layout.outer, batch, layout.inner, *t.shape[1:])
-                blocks = blocks[:, rows[0]:rows[0] + count] if contiguous else \
-                    blocks[:, torch.tensor(rows, device=t.device)]
-                # Contiguous: the batch-1 graph views its saved tensors as AOTAutograd saved
-                # them (several blocks per row come out strided otherwise).
-                per_row.append(blocks.movedim(1, 0).reshape(
-                    count, layout.outer * layout.inner, *t.shape[1:]).contiguous())
+            per_row, by_k = tensors[:len(held)], dict(zip(shared, tensors[len(held):]))
             tangents = [(torch.ones if one else torch.zeros)(shape, dtype=dtype,
                                                              device=tensors[0].device)
                         for shape, dtype, one in tangent_shapes]
 
             def one_row(*row_saved):
                 it = iter(row_saved)
-                values = [sizes[k] if k in sizes else by_k[k] if k in shared else next(it)
+                values = [sizes[k] if k in sizes else by_k[k] if k in by_k else next(it)
                           for k in g.bw_saved]
                 grads = graph(*values, *tangents)
                 return tuple(grads[i] for i in produced)
