@@ -1,6 +1,8 @@
 """`leancompile bench grpo` (tiny config) and explain() of a GRPO trainer."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,8 +15,9 @@ from models import ToyFlowPolicy
 
 def test_bench_grpo_json_has_ratios_and_agreement(capsys):
     assert main(["--model", "flux", "--layers", "1", "--hidden", "64", "--latent", "8",
-                 "--steps", "3", "--repeats", "1", "--json"]) == 0
+                 "--steps", "3", "--repeats", "1", "--json", "--malloc", "default"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["config"]["malloc"] == "default"
     assert report["config"]["steps"] == 3 and report["config"]["model"] == "flux"
     assert report["config"]["compilers"] == ["aot_eager"]
     assert report["ideal_ratio"] > 1.0
@@ -57,6 +60,41 @@ def test_bench_grpo_json_has_ratios_and_agreement(capsys):
     assert best["ratio_to_eager"] == schedules[best["schedule"]]["ratio_to_eager"]
     text = format_table(report)
     assert "ideal ratio" in text and "eager" in text and "best configuration" in text
+    assert "host allocator: default" in text
+
+
+_RSS_AFTER_FREE = """
+import sys, torch
+if sys.argv[1] == "keep":
+    from leancompile.runtime.allocator import keep_freed_memory
+    assert keep_freed_memory()
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+blocks = [torch.ones(1 << 18) for _ in range(256)]  # 256 x 1 MiB
+held = rss()
+del blocks
+print(held - rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_keep_freed_memory_keeps_freed_blocks_resident():
+    """glibc hands 1 MiB blocks back to the kernel when they are freed; after
+    keep_freed_memory() the process keeps them for the next allocation (the bench's --malloc)."""
+    from leancompile.runtime.allocator import _glibc, keep_freed_memory
+
+    if _glibc() is None:
+        pytest.skip("not glibc")
+    returned = {mode: int(subprocess.run([sys.executable, "-c", _RSS_AFTER_FREE, mode],
+                                         capture_output=True, text=True, check=True).stdout)
+                for mode in ("default", "keep")}
+    assert returned["default"] > 200 << 20, returned  # the blocks went back to the kernel
+    assert returned["keep"] < 16 << 20, returned  # kept for reuse
+    with pytest.raises(ValueError, match="32 MiB"):
+        keep_freed_memory(mmap_threshold=64 << 20)
+    with pytest.raises(ValueError, match="trim_threshold"):
+        keep_freed_memory(trim_threshold=-1)
 
 
 def test_bench_config_errors():

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from .timing import ideal_ratio, step_times
+from .timing import add_malloc_flag, apply_malloc_flag, ideal_ratio, step_times
 
 __all__ = ["run_loop_bench", "main"]
 
@@ -108,7 +108,8 @@ def run_loop_bench(*, rounds: int = 3, steps: int = 6, layers: int = 2, hidden: 
 
 def format_table(report: dict) -> str:
     t = report["step_times"]
-    lines = [f"ideal ratio = {report['ideal_ratio']:.3f}   (F0 {t['forward_nograd_s'] * 1e3:.1f} ms, "
+    lines = [f"host allocator: {report['malloc']} (--malloc)"] if "malloc" in report else []
+    lines += [f"ideal ratio = {report['ideal_ratio']:.3f}   (F0 {t['forward_nograd_s'] * 1e3:.1f} ms, "
              f"F {t['forward_s'] * 1e3:.1f} ms, B {t['backward_s'] * 1e3:.1f} ms per step)",
              f"{'variant':16s} {'min s':>7s} {'median s':>9s} {'ratio':>6s} {'of ideal':>9s} "
              f"{'update fwd':>10s} {'grad rel L2':>12s}"]
@@ -138,9 +139,12 @@ def main(argv=None) -> int:
     p.add_argument("--latent", type=int, default=32)
     p.add_argument("--compiler", default="aot_eager", choices=("aot_eager", "inductor"))
     p.add_argument("--json", action="store_true")
+    add_malloc_flag(p)
     ns = p.parse_args(argv)
     log = (lambda *a: print(*a, file=sys.stderr)) if ns.json else print
+    malloc = apply_malloc_flag(ns.malloc)
     report = run_loop_bench(rounds=ns.rounds, steps=ns.steps, layers=ns.layers,
                             hidden=ns.hidden, latent=ns.latent, compiler=ns.compiler, log=log)
+    report["malloc"] = malloc
     print(json.dumps(report, indent=2) if ns.json else format_table(report))
     return 0

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["median_seconds", "step_times", "ideal_ratio"]
+__all__ = ["median_seconds", "step_times", "ideal_ratio", "add_malloc_flag", "apply_malloc_flag"]
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -52,3 +52,23 @@ def ideal_ratio(times: dict, steps: int, trained: int) -> float:
     """Recompute's model time over a reusing schedule's, for ``trained`` of ``steps``."""
     f0, fb = times["forward_nograd_s"], times["forward_s"] + times["backward_s"]
     return (steps * f0 + trained * fb) / ((steps - trained) * f0 + trained * fb)
+
+
+MALLOC_HELP = ("keep: glibc keeps freed memory for reuse (leancompile.runtime.allocator."
+               "keep_freed_memory; without it Retain's held activations come back as page faults "
+               "every iteration on CPU); default: glibc's own policy")
+
+
+def add_malloc_flag(parser) -> None:
+    """``--malloc keep|default`` on a benchmark or demo command line."""
+    parser.add_argument("--malloc", default="keep", choices=("keep", "default"), help=MALLOC_HELP)
+
+
+def apply_malloc_flag(choice: str) -> str:
+    """Apply ``--malloc``; returns what the run used: ``keep``, ``default``, or
+    ``default (not glibc)`` where ``keep`` cannot be applied."""
+    if choice != "keep":
+        return "default"
+    from ..runtime.allocator import keep_freed_memory
+
+    return "keep" if keep_freed_memory() else "default (not glibc)"
