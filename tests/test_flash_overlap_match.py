@@ -527,3 +527,56 @@ def test_all_reduce_only_graph_is_reported_without_a_warning(group, caplog):
         flash_overlap_pass(fw, options)
     [warning] = [r.getMessage() for r in caplog.records if "rewrote none" in r.getMessage()]
     assert "rewrote none of the 1 all-gathers and reduce-scatters" in warning, warning
+
+
+def _val_signature(graph):
+    sig = []
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        sig.append((n.name, str(n.target), tuple(
+            (type(v).__name__, tuple(v.shape), v.stride(), v.dtype, v.device)
+            if isinstance(v, torch.Tensor) else repr(v) for v in vals)))
+    return sig
+
+
+@pytest.mark.parametrize("overlap", ["flash", "slice"])
+def test_schedules_recorded_on_meta_equal_the_fake_tensor_recording(group, monkeypatch,
+                                                                    overlap):
+    """With static shapes the rewrite records its schedules on meta tensors (the cheap path);
+    the graphs it inserts must be the ones the fake-tensor recording gives: the same code, the
+    same fake values on the real device in every node's meta, no meta device in any argument
+    (a device read from a meta tensor is recorded as the real one)."""
+    import copy
+
+    import leancompile.passes.flash_overlap as fo
+    from leancompile.options import CompileOptions
+
+    _, model = tp_sp_mlp()
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    fw, bw = compile_graphs(model, x)
+    options = CompileOptions(compiler="aot_eager", overlap=overlap,
+                             **({"chunks": 2} if overlap == "slice" else {"chunks_per_rank": 2}))
+    used = []
+    record = fo._record_on_meta
+    monkeypatch.setattr(fo, "_record_on_meta",
+                        lambda *a: used.append(1) or record(*a))
+    for gm in (fw, bw):
+        on_meta, on_fake = copy.deepcopy(gm), copy.deepcopy(gm)
+        before = len(used)
+        result = fo.flash_overlap_pass(on_meta, options)
+        assert len(result.rewritten) == 2 and result.skipped == [], result
+        assert len(used) - before == 2  # both sites recorded on meta, no fallback
+        with monkeypatch.context() as m:
+            m.setattr(fo, "_static_device", lambda values: None)
+            fo.flash_overlap_pass(on_fake, options)
+        assert len(used) - before == 2
+        assert on_meta.code == on_fake.code
+        assert _val_signature(on_meta.graph) == _val_signature(on_fake.graph)
+        for n in on_meta.graph.nodes:
+            for a in (*n.args, *n.kwargs.values()):
+                assert not (isinstance(a, torch.device) and a.type == "meta"), n.format_node()
+            val = n.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                assert isinstance(val, torch._subclasses.FakeTensor) and val.device.type == \
+                    "cpu", n.format_node()

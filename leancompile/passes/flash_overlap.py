@@ -102,6 +102,10 @@ def _trace(fn, inputs: list) -> fx.Graph:
     fraction of its cost, with Inductor's decompositions, like the graph it goes into (Inductor
     refuses ops it decomposes itself, e.g. ``aten.t``). SymInts computed from sizes stay raw
     values in the recorded args; ``_bind_symbolic_sizes`` turns them into nodes.
+
+    With static shapes the schedule runs on meta tensors instead of the graph's fake ones
+    (``_record_on_meta``: the same graph and values at a tenth of the dispatch cost, which is
+    most of the pass's compile time); symbolic shapes need the fake mode's shape environment.
     """
     from torch._inductor.decomposition import select_decomp_table
     from torch._guards import detect_fake_mode
@@ -109,6 +113,14 @@ def _trace(fn, inputs: list) -> fx.Graph:
 
     values = [_val(n) for n in inputs]
     fake_mode = detect_fake_mode(values) or FakeTensorMode()
+    device = _static_device(values)
+    if device is not None:
+        try:
+            return _finish_trace(_record_on_meta(fn, values, fake_mode, device))
+        except _Unsupported:
+            raise
+        except Exception:  # noqa: BLE001 - an op without a meta kernel: trace under fake mode
+            pass
     graph = fx.Graph()
     recorder = _Recorder(graph, select_decomp_table())
     for i, value in enumerate(values):
@@ -118,6 +130,67 @@ def _trace(fn, inputs: list) -> fx.Graph:
     with torch.no_grad(), fake_mode, recorder, _raw_sizes_bound_later():
         out = fn(*values)
     graph.output(recorder.node_of_tree(out))
+    return _finish_trace(graph)
+
+
+def _static_device(values: list):
+    """The one device of ``values`` when every size and stride is a plain int (the schedule
+    can then be recorded on meta tensors), else None."""
+    devices = {v.device for v in values if isinstance(v, torch.Tensor)}
+    if len(devices) != 1 or not all(
+            isinstance(v, torch.Tensor) and not any(
+                isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride(),
+                                                      v.storage_offset()))
+            for v in values):
+        return None
+    return devices.pop()
+
+
+def _record_on_meta(fn, values: list, fake_mode, device) -> fx.Graph:
+    """``_trace`` for static shapes: the schedule runs on meta tensors (a tenth of a fake
+    tensor's dispatch cost; the compile-time budget of the pass is mostly this recording), then
+    every recorded value becomes a fake tensor of ``fake_mode`` on ``device``, as ``make_fx``
+    under the graph's fake mode would have left it. Device arguments the schedule read from its
+    (meta) tensors are recorded as ``device``."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    meta = torch.device("meta")
+    graph = fx.Graph()
+    recorder = _Recorder(graph, select_decomp_table(), device_map={meta: device})
+    args = []
+    # The compiler may run the pass under its fake mode: leave it, or the meta tensors would be
+    # fake ones (and every op would pay the fake dispatch this avoids).
+    with unset_fake_temporarily():
+        for i, value in enumerate(values):
+            node = graph.placeholder(f"arg{i}")
+            node.meta["val"] = value
+            args.append(torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                            device=meta))
+            recorder.bind(args[-1], node)
+        with torch.no_grad(), recorder:
+            out = fn(*args)
+    graph.output(recorder.node_of_tree(out))
+    converter = fake_mode.fake_tensor_converter
+
+    def fake(t):
+        if not isinstance(t, torch.Tensor) or isinstance(t, torch._subclasses.FakeTensor):
+            return t
+        on = device if t.is_meta else t.device
+        if not t.is_meta:
+            with unset_fake_temporarily():
+                t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=meta)
+        return converter.from_meta_and_device(fake_mode, t, on)
+
+    for node in graph.nodes:
+        if node.op == "call_function" and "val" in node.meta:
+            val = node.meta["val"]
+            node.meta["val"] = (type(val)(fake(v) for v in val) if isinstance(val, (tuple, list))
+                                else fake(val))
+    return graph
+
+
+def _finish_trace(graph: fx.Graph) -> fx.Graph:
     from torch._inductor.fx_passes.post_grad import remove_noop_ops
 
     remove_noop_ops(graph)
@@ -130,10 +203,11 @@ class _Recorder(TorchDispatchMode):
     ``decompositions`` issues; tensors are mapped to the nodes that produced them by identity
     (every recorded value is kept alive, so an id is never reused while recording)."""
 
-    def __init__(self, graph: fx.Graph, decompositions: dict):
+    def __init__(self, graph: fx.Graph, decompositions: dict, device_map=None):
         super().__init__()
         self.graph = graph
         self.decompositions = decompositions
+        self.device_map = device_map or {}
         self.nodes: dict[int, fx.Node] = {}
         self.alive: list = []
 
@@ -146,6 +220,8 @@ class _Recorder(TorchDispatchMode):
 
         def node_of(value):
             if not isinstance(value, torch.Tensor):
+                if isinstance(value, torch.device):
+                    return self.device_map.get(value, value)
                 return value
             try:
                 return self.nodes[id(value)]
