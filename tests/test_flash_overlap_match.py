@@ -346,6 +346,20 @@ def test_skip_when_not_divisible_by_world_size_times_chunks(group):
     with pytest.raises(ValueError, match="positive int, got 0"):
         find_all_gather_matches(gm.graph, PassResult(name="x"), divisor=0)
 
+    # overlap="slice": the divisor is its `chunks` option, and the reasons say so (they named
+    # chunks_per_rank, which slice mode ignores).
+    from leancompile.options import CompileOptions
+    from leancompile.passes.flash_overlap import flash_overlap_pass
+
+    result = flash_overlap_pass(gm, CompileOptions(compiler="aot_eager", overlap="slice",
+                                                   chunks=2))
+    assert result.rewritten == []
+    assert sorted(s.reason for s in result.skipped) == [
+        "gather dim 0 of size 12 is not divisible by world size 4 x chunks 2 = 8; "
+        "pad dim 0 to 16 or set chunks=1",
+        "scatter dim 0 of size 12 is not divisible by world size 4 x chunks 2 = 8; "
+        "pad dim 0 to 16 or set chunks=1"]
+
 
 def test_skip_unknown_group_and_wrong_group_size(group):
     def f(x, w):

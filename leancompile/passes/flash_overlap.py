@@ -61,7 +61,7 @@ import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .flash_overlap_match import (_SAME_LAYOUT, AG_SITE, RS_SITE, AllGatherMatch,
-                                  ReduceScatterMatch, find_all_gather_matches,
+                                  ReduceScatterMatch, _same_shape, find_all_gather_matches,
                                   find_reduce_scatter_matches, is_backward_graph)
 from .result import PassResult
 
@@ -654,7 +654,8 @@ def _place_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, schedul
     expected = list(_val(match.reduced).shape)
     expected[match.scatter_dim] //= match.group_size
     scattered = match.scattered or match.wait
-    if tuple(_val(scattered).shape) != tuple(expected):
+    # Compared without guards: `!=` on SymInt tuples would specialize the sizes it reads.
+    if not _same_shape(tuple(_val(scattered).shape), tuple(expected)):
         result.skip(site, RS_SITE, f"the reduce-scatter result has shape "
                     f"{tuple(_val(scattered).shape)}, not the scattered {tuple(expected)}")
         return False
@@ -841,7 +842,8 @@ def _rewrite_graph(gm: fx.GraphModule, options, result: PassResult, failed: dict
     # turns it into a guard of the compiled region: other sizes recompile). A backward graph
     # adds none; the forward's guard usually proves its sites, and the others are skipped.
     allow_guards = not is_backward_graph(graph)
-    matches = find_all_gather_matches(graph, result, divisor=divisor,
+    divisor_name = "chunks_per_rank" if overlap == "flash" else "chunks"
+    matches = find_all_gather_matches(graph, result, divisor=divisor, divisor_name=divisor_name,
                                       allow_guards=allow_guards, on_error=on_err)
     for match in _claim_matmuls(matches, result):
         name = match.all_gather.name
@@ -853,6 +855,7 @@ def _rewrite_graph(gm: fx.GraphModule, options, result: PassResult, failed: dict
             rewrite_all_gather(gm, match, chunks_per_rank=m, overlap=overlap,
                                chunks=options.slice_chunks, result=result)
     for match in find_reduce_scatter_matches(graph, result, divisor=divisor,
+                                             divisor_name=divisor_name,
                                              allow_guards=allow_guards, on_error=on_err):
         name = match.reduce_scatter.name
         if name in failed:

@@ -292,7 +292,8 @@ def _find(graph: fx.Graph, target, kind: str, match_one, result: PassResult,
 
 def find_all_gather_matches(graph: fx.Graph, result: PassResult, *, divisor: int = 1,
                             allow_other_users: bool = True, allow_guards: bool = True,
-                            on_error: str = "raise") -> list[AllGatherMatch]:
+                            on_error: str = "raise",
+                            divisor_name: str = "chunks_per_rank") -> list[AllGatherMatch]:
     """Every all-gather feeding matmuls; every other all-gather goes to ``result`` with a reason.
 
     ``divisor`` is the chunks per rank the rewrite will use: the gathered size along the gather
@@ -300,30 +301,34 @@ def find_all_gather_matches(graph: fx.Graph, result: PassResult, *, divisor: int
     whose result is also read by something other than a matmul operand (the graph output
     included). ``allow_guards=False`` skips symbolic sizes that are divisible only under a guard.
     ``on_error="skip"``: an exception while matching one site skips that site with it.
+    ``divisor_name``: the option the divisor came from, as skip reasons name it
+    (``chunks_per_rank`` for flash, ``chunks`` for slice).
     """
-    _check_divisor(divisor)
+    _check_divisor(divisor, divisor_name)
     return _find(graph, _c10d.all_gather_into_tensor.default, AG_SITE,
-                 lambda node: _match_all_gather(node, divisor, allow_other_users, allow_guards),
+                 lambda node: _match_all_gather(node, divisor, allow_other_users, allow_guards,
+                                                divisor_name),
                  result, on_error)
 
 
 def find_reduce_scatter_matches(graph: fx.Graph, result: PassResult, *, divisor: int = 1,
-                                allow_guards: bool = True,
-                                on_error: str = "raise") -> list[ReduceScatterMatch]:
+                                allow_guards: bool = True, on_error: str = "raise",
+                                divisor_name: str = "chunks_per_rank"
+                                ) -> list[ReduceScatterMatch]:
     """Every reduce-scatter fed by a matmul; every other one goes to ``result`` with a reason.
 
-    ``divisor``, ``allow_guards`` and ``on_error`` as in ``find_all_gather_matches``, on the
-    size of the scattered dim.
+    ``divisor``, ``allow_guards``, ``on_error`` and ``divisor_name`` as in
+    ``find_all_gather_matches``, on the size of the scattered dim.
     """
-    _check_divisor(divisor)
+    _check_divisor(divisor, divisor_name)
     return _find(graph, _c10d.reduce_scatter_tensor.default, RS_SITE,
-                 lambda node: _match_reduce_scatter(node, divisor, allow_guards), result,
-                 on_error)
+                 lambda node: _match_reduce_scatter(node, divisor, allow_guards, divisor_name),
+                 result, on_error)
 
 
-def _check_divisor(divisor) -> None:
+def _check_divisor(divisor, name: str) -> None:
     if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
-        raise ValueError(f"divisor (chunks_per_rank) must be a positive int, got {divisor!r}")
+        raise ValueError(f"divisor ({name}) must be a positive int, got {divisor!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,7 +336,7 @@ def _check_divisor(divisor) -> None:
 
 
 def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
-                      allow_guards: bool) -> AllGatherMatch:
+                      allow_guards: bool, divisor_name: str) -> AllGatherMatch:
     wait = _only_wait(ag)
     group_size = _arg(ag, 1, "group_size")
     group_name = _arg(ag, 2, "group_name")
@@ -344,7 +349,7 @@ def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
     else:
         gathered, gather_dim, reassembly = _all_gather_reassembly(wait, group_size)
     shape = _shape(gathered)
-    _check_trim(gathered, gather_dim, shape, group_size, divisor)
+    _check_trim(gathered, gather_dim, shape, group_size, divisor, divisor_name)
     cast = _only_cast(gathered)
     if cast is not None:  # autocast: the matmuls read a cast of the gathered tensor; casting the
         gathered = cast   # shard before the gather is the same, element by element
@@ -385,7 +390,7 @@ def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
         raise _Skip(f"the gathered tensor has other users ({', '.join(map(_describe, others))})")
 
     needs_guard = _divisible(shape[gather_dim], group_size, divisor, f"gather dim {gather_dim}",
-                             allow_guards)
+                             allow_guards, divisor_name)
     outputs = [use for use in uses if use.slices_output]
     kind = "ag_weight" if all(use.operand == "B" for use in outputs) else "ag_input"
     return AllGatherMatch(
@@ -496,7 +501,7 @@ def _view_gather_dim(buffer: tuple, view: tuple, n: int) -> int | None:
     return None
 
 
-def _check_trim(gathered: fx.Node, dim: int, shape: tuple, n: int, m: int) -> None:
+def _check_trim(gathered: fx.Node, dim: int, shape: tuple, n: int, m: int, name: str) -> None:
     """DTensor's uneven gather: pad each shard to the largest, gather, then trim on ``dim``."""
     readers = _readers(gathered)
     if len(readers) != 1 or readers[0].target is not aten.slice.Tensor:
@@ -510,7 +515,7 @@ def _check_trim(gathered: fx.Node, dim: int, shape: tuple, n: int, m: int) -> No
     raise _Skip(f"uneven shards: gather dim {dim} holds {kept} elements over {n} ranks; DTensor "
                 f"pads each shard to {shape[dim] // n} and trims the gathered tensor "
                 f"at {trim.name}; pad dim {dim} to {_round_up_str(kept, n * m)}"
-                + (f" (a multiple of world size {n} x chunks_per_rank {m} = {n * m})"
+                + (f" (a multiple of world size {n} x {name} {m} = {n * m})"
                    if m > 1 else f" (a multiple of world size {n})"))
 
 
@@ -558,7 +563,8 @@ def _matmul_dim(tags: tuple[frozenset, ...], gather_dim: int, operand: str):
 # Reduce-scatter
 
 
-def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> ReduceScatterMatch:
+def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool,
+                          divisor_name: str) -> ReduceScatterMatch:
     wait = _only_wait(rs)
     reduce_op = _arg(rs, 1, "reduce_op")
     group_size = _arg(rs, 2, "group_size")
@@ -584,9 +590,9 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
     if summed is not None:
         return _match_sum(rs, summed, tuple(reversed(chain)), reduced, scatter_dim, reassembly,
                           wait, reduce_op, group_name, group_size, shape, divisor, allow_guards,
-                          scattered)
+                          scattered, divisor_name)
     if node.op != "call_function" or node.target not in _MATMULS:
-        _check_pad(node, scatter_dim, group_size, divisor)
+        _check_pad(node, scatter_dim, group_size, divisor, divisor_name)
         if node.meta.get("flash_overlap_site"):
             raise _Skip(f"the reduce-scatter input is the result of the decomposed schedule of "
                         f"the all-gather at {node.meta['flash_overlap_site']}, which replaced "
@@ -618,7 +624,7 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool) -> Redu
     dim = next(iter(dims))
 
     needs_guard = _divisible(shape[scatter_dim], group_size, divisor,
-                             f"scatter dim {scatter_dim}", allow_guards)
+                             f"scatter dim {scatter_dim}", allow_guards, divisor_name)
     weight_grad = is_backward_graph(rs.graph) and _is_transpose(_operand(matmul, "A"))
     return ReduceScatterMatch(
         kind="rs_weight_grad" if weight_grad else "rs_output", matmul=matmul, dim=dim, via=via,
@@ -683,7 +689,8 @@ def _matmul_term(node: fx.Node):
 
 
 def _match_sum(rs, summed, via, reduced, scatter_dim, reassembly, wait, reduce_op, group_name,
-               group_size, shape, divisor, allow_guards, scattered) -> ReduceScatterMatch:
+               group_size, shape, divisor, allow_guards, scattered,
+               divisor_name) -> ReduceScatterMatch:
     """A reduce-scatter of a sum of matmuls (``_sum_of_matmuls``) with reshapes and casts
     between the sum and the collective; every term's output rows must be the scatter dim."""
     terms, adds = summed
@@ -709,7 +716,7 @@ def _match_sum(rs, summed, via, reduced, scatter_dim, reassembly, wait, reduce_o
                     f"({_names([mm for mm, _ in terms])}): a sum is rewritten when it is "
                     "scattered on the product's rows")
     needs_guard = _divisible(shape[scatter_dim], group_size, divisor,
-                             f"scatter dim {scatter_dim}", allow_guards)
+                             f"scatter dim {scatter_dim}", allow_guards, divisor_name)
     return ReduceScatterMatch(
         kind="rs_output", matmul=terms[0][0], dim="M", via=via, reduced=reduced,
         reassembly=reassembly, reduce_scatter=rs, wait=wait, reduce_op=str(reduce_op),
@@ -744,7 +751,7 @@ def _reduce_scatter_reassembly(rs: fx.Node, n: int) -> tuple[fx.Node, int, tuple
     return cat, 0, ()
 
 
-def _check_pad(node: fx.Node, dim: int, n: int, m: int) -> None:
+def _check_pad(node: fx.Node, dim: int, n: int, m: int, name: str) -> None:
     """DTensor's uneven reduce-scatter: the last pieces are padded (``constant_pad_nd``) and
     cat'ed back before the split+cat; report that as uneven shards."""
     if node.target is not aten.cat.default:
@@ -761,7 +768,7 @@ def _check_pad(node: fx.Node, dim: int, n: int, m: int) -> None:
     raise _Skip(f"uneven shards: scatter dim {dim} holds {size} elements over {n} ranks; "
                 f"DTensor pads it to {padded} ({pads[0].name}) before the reduce-scatter; pad "
                 f"dim {dim} to {_round_up_str(size, n * m) if size != '?' else 'a multiple'}"
-                + (f" (a multiple of world size {n} x chunks_per_rank {m} = {n * m})"
+                + (f" (a multiple of world size {n} x {name} {m} = {n * m})"
                    if m > 1 else f" (a multiple of world size {n})"))
 
 
@@ -790,12 +797,12 @@ def _check_group(name, size) -> None:
                     f"group {name!r}")
 
 
-def _divisible(size, n: int, m: int, what: str, allow_guards: bool):
+def _divisible(size, n: int, m: int, what: str, allow_guards: bool, name: str):
     """None when ``size`` is divisible by ``n * m``; the sympy guard when only the traced sizes
-    make it so; raises ``_Skip`` otherwise."""
+    make it so; raises ``_Skip`` otherwise. ``name``: the option ``m`` came from."""
     k = n * m
-    by = f"world size {n} x chunks_per_rank {m} = {k}" if m > 1 else f"world size {n}"
-    fix = " or set chunks_per_rank=1"
+    by = f"world size {n} x {name} {m} = {k}" if m > 1 else f"world size {n}"
+    fix = f" or set {name}=1"
     if isinstance(size, int):
         if size % k == 0:
             return None
