@@ -20,9 +20,9 @@ steps, seeds (timestep selection, initial latents, SDE noise) and reward; advant
 each row's own rollout, which is the same up to rounding. Each row gets one warm-up call
 (captures and compiles the graphs), then one untimed interleaved round, then ``repeats``
 interleaved rounds time every row once (rollout and update seconds, in the trainer's sense:
-rollout = sampling + rewards + advantages, update = the gradient computation). Reported per row: the median and the minimum
-over the rounds, retained bytes, gradient buffers, and the gradient's cosine and relative L2
-error against recompute's (and against eager's).
+rollout = sampling + rewards + advantages, update = the gradient computation). Reported per
+row: the median and the minimum over the rounds, retained bytes, gradient buffers, and the
+gradient's cosine and relative L2 error against recompute's (and against eager's).
 
 The ideal ratio is measured from the captured graphs themselves: forward without grad ``F0``,
 forward with saving ``F``, backward ``B`` of the full batch at one step; with ``T`` steps of

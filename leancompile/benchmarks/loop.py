@@ -109,10 +109,11 @@ def run_loop_bench(*, rounds: int = 3, steps: int = 6, layers: int = 2, hidden: 
 def format_table(report: dict) -> str:
     t = report["step_times"]
     lines = [f"host allocator: {report['malloc']} (--malloc)"] if "malloc" in report else []
-    lines += [f"ideal ratio = {report['ideal_ratio']:.3f}   (F0 {t['forward_nograd_s'] * 1e3:.1f} ms, "
-             f"F {t['forward_s'] * 1e3:.1f} ms, B {t['backward_s'] * 1e3:.1f} ms per step)",
-             f"{'variant':16s} {'min s':>7s} {'median s':>9s} {'ratio':>6s} {'of ideal':>9s} "
-             f"{'update fwd':>10s} {'grad rel L2':>12s}"]
+    lines += [f"ideal ratio = {report['ideal_ratio']:.3f}   "
+              f"(F0 {t['forward_nograd_s'] * 1e3:.1f} ms, "
+              f"F {t['forward_s'] * 1e3:.1f} ms, B {t['backward_s'] * 1e3:.1f} ms per step)",
+              f"{'variant':16s} {'min s':>7s} {'median s':>9s} {'ratio':>6s} {'of ideal':>9s} "
+              f"{'update fwd':>10s} {'grad rel L2':>12s}"]
     for name, e in report["variants"].items():
         if name.startswith("lean"):
             lines.append(f"{name:16s} {e['seconds_min']:7.3f} {e['seconds_median']:9.3f} "

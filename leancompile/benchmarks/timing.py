@@ -60,7 +60,7 @@ MALLOC_HELP = ("keep: glibc keeps freed memory for reuse (leancompile.runtime.al
 
 
 def add_malloc_flag(parser) -> None:
-    """``--malloc keep|default`` on a benchmark or demo command line."""
+    """``--malloc keep|default`` on a benchmark's command line."""
     parser.add_argument("--malloc", default="keep", choices=("keep", "default"), help=MALLOC_HELP)
 
 

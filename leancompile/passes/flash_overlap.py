@@ -107,30 +107,43 @@ def _trace(fn, inputs: list) -> fx.Graph:
     (``_record_on_meta``: the same graph and values at a tenth of the dispatch cost, which is
     most of the pass's compile time); symbolic shapes need the fake mode's shape environment.
     """
-    from torch._inductor.decomposition import select_decomp_table
     from torch._guards import detect_fake_mode
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     values = [_val(n) for n in inputs]
     fake_mode = detect_fake_mode(values) or FakeTensorMode()
+    graph = None
     device = _static_device(values)
     if device is not None:
         try:
-            return _finish_trace(_record_on_meta(fn, values, fake_mode, device))
+            graph = _record_on_meta(fn, values, fake_mode, device)
         except _Unsupported:
             raise
         except Exception:  # noqa: BLE001 - an op without a meta kernel: trace under fake mode
-            pass
+            graph = None
+    if graph is None:
+        graph = _record(fn, values, values, fake_mode)
+    remove_noop_ops(graph)
+    graph.eliminate_dead_code()
+    return graph
+
+
+def _record(fn, values: list, args: list, context, device_map=None) -> fx.Graph:
+    """Run ``fn(*args)`` under ``context`` and a ``_Recorder``: placeholders carry ``values``
+    (the graph's fake values of the inputs; ``args`` are what ``fn`` actually runs on)."""
+    from torch._inductor.decomposition import select_decomp_table
+
     graph = fx.Graph()
-    recorder = _Recorder(graph, select_decomp_table())
-    for i, value in enumerate(values):
+    recorder = _Recorder(graph, select_decomp_table(), device_map)
+    for i, (value, arg) in enumerate(zip(values, args)):
         node = graph.placeholder(f"arg{i}")
         node.meta["val"] = value
-        recorder.bind(value, node)
-    with torch.no_grad(), fake_mode, recorder, _raw_sizes_bound_later():
-        out = fn(*values)
+        recorder.bind(arg, node)
+    with torch.no_grad(), context, recorder, _raw_sizes_bound_later():
+        out = fn(*args)
     graph.output(recorder.node_of_tree(out))
-    return _finish_trace(graph)
+    return graph
 
 
 def _static_device(values: list):
@@ -147,39 +160,29 @@ def _static_device(values: list):
 
 
 def _record_on_meta(fn, values: list, fake_mode, device) -> fx.Graph:
-    """``_trace`` for static shapes: the schedule runs on meta tensors (a tenth of a fake
+    """``_record`` for static shapes: the schedule runs on meta tensors (a tenth of a fake
     tensor's dispatch cost; the compile-time budget of the pass is mostly this recording), then
     every recorded value becomes a fake tensor of ``fake_mode`` on ``device``, as ``make_fx``
     under the graph's fake mode would have left it. Device arguments the schedule read from its
     (meta) tensors are recorded as ``device``."""
-    from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     meta = torch.device("meta")
-    graph = fx.Graph()
-    recorder = _Recorder(graph, select_decomp_table(), device_map={meta: device})
-    args = []
-    # The compiler may run the pass under its fake mode: leave it, or the meta tensors would be
-    # fake ones (and every op would pay the fake dispatch this avoids).
-    with unset_fake_temporarily():
-        for i, value in enumerate(values):
-            node = graph.placeholder(f"arg{i}")
-            node.meta["val"] = value
-            args.append(torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
-                                            device=meta))
-            recorder.bind(args[-1], node)
-        with torch.no_grad(), recorder:
-            out = fn(*args)
-    graph.output(recorder.node_of_tree(out))
+
+    def on_meta(t):
+        with unset_fake_temporarily():
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=meta)
+
+    # The compiler may run the pass under its fake mode: leave it while recording, or the meta
+    # tensors would be fake ones (and every op would pay the fake dispatch this avoids).
+    graph = _record(fn, values, [on_meta(v) for v in values], unset_fake_temporarily(),
+                    device_map={meta: device})
     converter = fake_mode.fake_tensor_converter
 
     def fake(t):
         if not isinstance(t, torch.Tensor) or isinstance(t, torch._subclasses.FakeTensor):
             return t
-        on = device if t.is_meta else t.device
-        if not t.is_meta:
-            with unset_fake_temporarily():
-                t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=meta)
+        on, t = (device, t) if t.is_meta else (t.device, on_meta(t))
         return converter.from_meta_and_device(fake_mode, t, on)
 
     for node in graph.nodes:
@@ -187,14 +190,6 @@ def _record_on_meta(fn, values: list, fake_mode, device) -> fx.Graph:
             val = node.meta["val"]
             node.meta["val"] = (type(val)(fake(v) for v in val) if isinstance(val, (tuple, list))
                                 else fake(val))
-    return graph
-
-
-def _finish_trace(graph: fx.Graph) -> fx.Graph:
-    from torch._inductor.fx_passes.post_grad import remove_noop_ops
-
-    remove_noop_ops(graph)
-    graph.eliminate_dead_code()
     return graph
 
 

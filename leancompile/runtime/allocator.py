@@ -21,8 +21,8 @@ PyTorch's CPU performance guidance changes with jemalloc or tcmalloc and their d
   threshold, so both are set together.
 
 The cost is resident memory: the process keeps its peak instead of shrinking after a step. It is
-never called at import; ``leancompile bench grpo``, ``bench loop`` and ``demo grpo`` call it
-unless given ``--malloc default``, and say so in their output. Elsewhere (musl, macOS, Windows)
+never called at import; ``leancompile bench grpo`` and ``bench loop`` call it unless given
+``--malloc default``, and say so in their output. Elsewhere (musl, macOS, Windows)
 it does nothing and returns False.
 """
 
