@@ -33,6 +33,8 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .runtime.frameless import frameless
+
 __all__ = ["RandomOpInGraphError", "InputRole", "StepGraphs", "capture_graph"]
 
 log = logging.getLogger("leancompile")
@@ -410,7 +412,8 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
             graph_pass.run_previous(graph.graph, is_inference=phase == "inference")
             graph_pass.run(graph, phase=phase)
             graph.recompile()
-            return lambda args: graph(*args)
+            run = frameless(graph)  # no Python frame per op (runtime/frameless.py)
+            return lambda args: run(*args)
         from torch._inductor import config as inductor_config
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.virtualized import V

@@ -65,6 +65,7 @@ from .compiler import LeanBackend, LeanGraphPass
 from .options import CompileOptions
 from .passes.lean_grpo import reweight_rows_per_backward
 from .report import Report, record_report
+from .runtime.frameless import frameless
 from .runtime.reuse import Reused, gather_rows, row_hashes, storage_bytes, whole_hash
 from .runtime.vmap_ops import VMAP_REPLACEMENTS
 
@@ -800,7 +801,8 @@ class _GraphRuntime:
         with torch.no_grad():
             traced = make_fx(rows_backward, tracing_mode="fake")(*inputs)
         if self.step.options.compiler == "aot_eager":
-            return lambda args: traced(*args)
+            run = frameless(traced)  # no Python frame per op (runtime/frameless.py)
+            return lambda args: run(*args)
         from torch._inductor.compile_fx import compile_fx
 
         with torch.no_grad():
