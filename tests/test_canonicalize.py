@@ -1,7 +1,5 @@
 """The canonicalize pass on real traced graphs (make_fx) and on hand-built ones."""
 
-import operator
-
 import pytest
 import torch
 import torch.fx as fx

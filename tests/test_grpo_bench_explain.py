@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import leancompile
-from leancompile.benchmarks.grpo import BenchConfig, format_table, main, run_grpo_bench
+from leancompile.benchmarks.grpo import BenchConfig, format_table, main
 from leancompile.grpo.trainer import GRPOConfig, GRPOTrainer
 from models import ToyFlowPolicy
 

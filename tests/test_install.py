@@ -1,7 +1,6 @@
 """install(): chains a previously installed pass, restores it, and its uuid keys the cache."""
 
 import os
-import sys
 
 import pytest
 import torch

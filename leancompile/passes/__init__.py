@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import torch.fx as fx
-
 from . import canonicalize, flash_overlap, lean_grpo
 from .canonicalize import canonicalize_pass
 from .flash_overlap import flash_overlap_pass
