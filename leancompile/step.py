@@ -630,10 +630,11 @@ class _GraphRuntime:
             for start in range(0, len(kept.rows), chunk):
                 rows = kept.rows[start:start + chunk]
                 for q in scalars:
-                    stacked, owned = self._vmapped_row_gradients(kept, rows, q, trainable)
-                    self._keep_row_grads(kept, q, [(row, {
-                        source: None if t is None else t[n] for source, t in stacked.items()})
-                        for n, row in enumerate(rows)], owned=owned)
+                    stacked = self._vmapped_row_gradients(kept, rows, q, trainable)
+                    for n, row in enumerate(rows):
+                        self._keep_row_grads(kept, row, q, {
+                            source: None if t is None else t[n] for source, t in
+                            stacked.items()})
                 state.stats.reweight_backwards += 1
                 state.stats.reweight_rows_per_backward = max(
                     state.stats.reweight_rows_per_backward, len(rows))
@@ -652,8 +653,8 @@ class _GraphRuntime:
                     one.reshape(-1)[0 if gather else row] = 1
                     cotangents[q] = one
                     grads = self._backward(bw_saved, row_outputs, cotangents)
-                    self._keep_row_grads(kept, q, [(row, {source: grads[i]
-                                                          for i, source in trainable})])
+                    self._keep_row_grads(kept, row, q, {source: grads[i]
+                                                        for i, source in trainable})
                 state.stats.reweight_backwards += 1
                 state.stats.reweight_rows_per_backward = max(
                     state.stats.reweight_rows_per_backward, 1)
@@ -662,33 +663,20 @@ class _GraphRuntime:
                 state.sample_rows[kept.samples[row]] += 1
             kept.grads["scalars"] = scalars
 
-    def _keep_row_grads(self, kept: _Kept, q: int, rows: list, *, owned: bool = False) -> None:
-        """Keep the gradients of output ``q`` of ``rows`` (``[(row, {source: gradient})]``).
-        With sample ids, one buffer per sample holds its rows' gradients summed (the paper's
-        ``G_i``): the first row's gradient becomes the buffer (taken as it is when ``owned``:
-        fresh memory nobody else holds, else copied), later rows are added in place, all rows
-        and parameters in one ``_foreach_add_``."""
+    def _keep_row_grads(self, kept: _Kept, row: int, q: int, row_grads: dict) -> None:
         if kept.samples is None:
-            for row, row_grads in rows:
-                kept.grads[(row, q)] = row_grads
+            kept.grads[(row, q)] = row_grads
             return
-        buffers, grads, seen = [], [], set()
-        for row, row_grads in rows:
-            merged = self.step._state.sample_grads.setdefault((kept.samples[row], q), {})
-            for source, gr in row_grads.items():
-                if gr is None:
-                    continue
-                if source not in merged:
-                    merged[source] = gr if owned else gr.clone()
-                    continue
-                if id(merged[source]) in seen:  # a sample twice in one call: one add each
-                    torch._foreach_add_(buffers, grads)
-                    buffers, grads, seen = [], [], set()
-                buffers.append(merged[source])
-                grads.append(gr)
-                seen.add(id(merged[source]))
-        if buffers:  # in place, one call for all rows and parameters
-            torch._foreach_add_(buffers, grads)
+        # One buffer per sample: its rows' gradients summed (the paper's G_i).
+        merged = self.step._state.sample_grads.setdefault((kept.samples[row], q), {})
+        new = [(source, gr) for source, gr in row_grads.items()
+               if gr is not None and source not in merged]
+        old = [(merged[source], gr) for source, gr in row_grads.items()
+               if gr is not None and source in merged]
+        if old:  # in place, one call for all parameters
+            torch._foreach_add_([m for m, _ in old], [gr for _, gr in old])
+        for source, gr in new:
+            merged[source] = gr.clone()
 
     def row_grad_bytes(self, args) -> int:
         """Bytes of one row's gradient of one scalar output (the trainable parameters)."""
@@ -724,12 +712,11 @@ class _GraphRuntime:
         return self._vmap_backward
 
     def _vmapped_row_gradients(self, kept: _Kept, rows: list[int], q: int,
-                               trainable: list) -> tuple[dict, bool]:
-        """({parameter source: [len(rows), *shape] gradients of output ``q`` of each row},
-        whether they own their memory): the batch-1 backward graph under ``vmap`` over the rows'
-        saved tensors (their row slices, stacked here), cotangent 1 on output ``q``; traced once
-        per (number of rows, sizes, output) into one aten graph and compiled with the step's
-        compiler (``_row_backward``).
+                               trainable: list) -> dict:
+        """{parameter source: [len(rows), *shape] gradients of output ``q`` of each row}: the
+        batch-1 backward graph under ``vmap`` over the rows' saved tensors (their row slices,
+        stacked here), cotangent 1 on output ``q``; traced once per (number of rows, sizes,
+        output) into one aten graph and compiled with the step's compiler (``_row_backward``).
         Which rows they are does not matter to the compiled graph: DanceGRPO's per-sample
         step subsets train other rows at every step."""
         g = self.g
@@ -759,13 +746,7 @@ class _GraphRuntime:
         with torch.no_grad():
             stacked = run(per_row + shared)
         by_index = dict(zip(self._produced(trainable), stacked))
-        # Owned: no result shares memory with an input or another result (then the rows'
-        # slices can become the per-sample buffers without a copy).
-        storages = [t.untyped_storage().data_ptr() for t in stacked if t is not None]
-        inputs = {t.untyped_storage().data_ptr() for t in per_row + shared
-                  if isinstance(t, Tensor)}
-        owned = len(set(storages)) == len(storages) and not inputs.intersection(storages)
-        return {source: by_index.get(i) for i, source in trainable}, owned
+        return {source: by_index.get(i) for i, source in trainable}
 
     def _produced(self, trainable: list) -> list[int]:
         """Indices of the trainable inputs the backward graph gives a gradient for."""
