@@ -65,6 +65,7 @@ from .compiler import LeanBackend, LeanGraphPass
 from .options import CompileOptions
 from .passes.lean_grpo import reweight_rows_per_backward
 from .report import Report, record_report
+from .runtime.accumulate import accumulating
 from .runtime.frameless import frameless
 from .runtime.reuse import Reused, gather_rows, row_hashes, storage_bytes, whole_hash
 from .runtime.vmap_ops import VMAP_REPLACEMENTS
@@ -149,6 +150,12 @@ class StepStats:
     """Backwards run in the rollout for per-row gradients (one per vectorised chunk of rows)."""
     reweight_rows_per_backward: int = 0
     """The most rows one of those backwards took (1: one backward per row)."""
+    reweight_fused_steps: int = 0
+    """Vectorised backwards that added into their samples' gradient buffers in place (every
+    trained step of a sample after its first, when its rows come in the same chunks)."""
+    reweight_inplace_matmuls: int = 0
+    """Weight gradients of such a backward computed as an in-place ``baddbmm_`` into the
+    buffer (``aot_eager``); the others are added with ``add_``."""
     unused_rows: int = 0
     unused_bytes: int = 0
     """Kept rows (and their bytes) that no update call used, freed at ``update()`` exit or at
@@ -304,6 +311,9 @@ class _State:
         self.current_samples: list[int] | None = None
         self.sample_grads: dict = {}
         """Reweight with ``samples``: (sample, output) -> {parameter source: summed gradient}."""
+        self.sample_blocks: dict = {}
+        """Reweight with ``samples``: (samples, output) -> {parameter source: [len(samples),
+        *shape] block}, whose slices are those samples' ``sample_grads``."""
         self.sample_rows: Counter = Counter()
         """Reweight with ``samples``: trained rows kept per sample."""
         self.arrived: dict = {}
@@ -348,6 +358,7 @@ class _State:
 
     def clear(self) -> None:
         self.sample_grads.clear()
+        self.sample_blocks.clear()
         self.sample_rows.clear()
         self.arrived.clear()
         for kept in list(self.kept):
@@ -396,6 +407,7 @@ class _GraphRuntime:
         self._at_one: tuple | None = None
         self._vmap_backward: fx.GraphModule | None = None
         self._row_backwards: dict = {}
+        self._inplace_matmuls = 0
         """Reweight's compiled per-row backwards, by (number of rows, output, sizes)."""
         self._rows_like: dict[str, int] = {}
         """For a graph specialised to a batch of 1: the rows per sample of each input, from the
@@ -630,7 +642,11 @@ class _GraphRuntime:
             for start in range(0, len(kept.rows), chunk):
                 rows = kept.rows[start:start + chunk]
                 for q in scalars:
+                    if self._accumulate_rows(kept, rows, q, trainable):
+                        continue
                     stacked = self._vmapped_row_gradients(kept, rows, q, trainable)
+                    if self._new_block(kept, rows, q, stacked):
+                        continue
                     for n, row in enumerate(rows):
                         self._keep_row_grads(kept, row, q, {
                             source: None if t is None else t[n] for source, t in
@@ -662,6 +678,54 @@ class _GraphRuntime:
             for row in kept.rows:
                 state.sample_rows[kept.samples[row]] += 1
             kept.grads["scalars"] = scalars
+
+    def _chunk_samples(self, kept: _Kept, rows: list[int]) -> tuple | None:
+        """The samples of ``rows`` when the rollout named them, each once; else None."""
+        if kept.samples is None:
+            return None
+        samples = tuple(kept.samples[r] for r in rows)
+        return samples if len(set(samples)) == len(samples) else None
+
+    def _new_block(self, kept: _Kept, rows: list[int], q: int, stacked: dict) -> bool:
+        """The first trained step of samples none of which has a buffer yet: their buffers
+        become slices of one ``[rows, *shape]`` block per parameter (a contiguous copy of the
+        vectorised gradients: vmap may hand a row-independent gradient back as a stride-0
+        expand), so later steps of the same samples accumulate into the whole block at once
+        (``_accumulate_rows``). False (nothing done) otherwise."""
+        state = self.step._state
+        samples = self._chunk_samples(kept, rows)
+        if samples is None or any((s, q) in state.sample_grads for s in samples):
+            return False
+        block = {source: t.clone(memory_format=torch.contiguous_format)
+                 for source, t in stacked.items() if t is not None}
+        for n, s in enumerate(samples):
+            state.sample_grads[(s, q)] = {source: b[n] for source, b in block.items()}
+        state.sample_blocks[(samples, q)] = block
+        return True
+
+    def _accumulate_rows(self, kept: _Kept, rows: list[int], q: int, trainable: list) -> bool:
+        """Later steps of samples whose buffers are one block (``_new_block``): the vectorised
+        backward adds into the block in place (``aot_eager``: the graph itself, matmuls as
+        ``baddbmm_``, ``runtime/accumulate.py``; ``inductor``: one ``_foreach_add_`` of the
+        compiled graph's output). False (nothing done) when the rows' samples are not exactly
+        one block's."""
+        state = self.step._state
+        samples = self._chunk_samples(kept, rows)
+        block = None if samples is None else state.sample_blocks.get((samples, q))
+        if block is None:
+            return False
+        if self.step.options.compiler == "aot_eager":
+            self._vmapped_row_gradients(kept, rows, q, trainable, into=block)
+        else:
+            stacked = self._vmapped_row_gradients(kept, rows, q, trainable)
+            pairs = [(block[source], t) for source, t in stacked.items()
+                     if t is not None and source in block]
+            if len(pairs) != len(block):
+                return False
+            torch._foreach_add_([b for b, _ in pairs], [t for _, t in pairs])
+        state.stats.reweight_fused_steps += 1
+        state.stats.reweight_inplace_matmuls = self._inplace_matmuls
+        return True
 
     def _keep_row_grads(self, kept: _Kept, row: int, q: int, row_grads: dict) -> None:
         if kept.samples is None:
@@ -712,13 +776,14 @@ class _GraphRuntime:
         return self._vmap_backward
 
     def _vmapped_row_gradients(self, kept: _Kept, rows: list[int], q: int,
-                               trainable: list) -> dict:
+                               trainable: list, into: dict | None = None) -> dict | None:
         """{parameter source: [len(rows), *shape] gradients of output ``q`` of each row}: the
         batch-1 backward graph under ``vmap`` over the rows' saved tensors (their row slices,
         stacked here), cotangent 1 on output ``q``; traced once per (number of rows, sizes,
         output) into one aten graph and compiled with the step's compiler (``_row_backward``).
         Which rows they are does not matter to the compiled graph: DanceGRPO's per-sample
-        step subsets train other rows at every step."""
+        step subsets train other rows at every step. ``into``: {source: [len(rows), *shape]
+        buffer}: the gradients are added into these in place and None is returned."""
         g = self.g
         layouts = g.layouts["saved"]
         per_row, shared = [], []
@@ -738,14 +803,21 @@ class _GraphRuntime:
                 per_row.append(blocks.movedim(1, 0).reshape(
                     len(rows), layout.outer * layout.inner, *t.shape[1:]).contiguous())
         symbols = {str(s): v for s, v in kept.symbols.items() if s != g.batch_symbol}
-        key = (len(rows), q, tuple(sorted(symbols.items())))
+        key = (len(rows), q, tuple(sorted(symbols.items())), into is not None)
         run = self._row_backwards.get(key)
         if run is None:
-            run = self._row_backward(kept, q, trainable, per_row + shared)
+            run = self._row_backward(kept, q, trainable, per_row + shared,
+                                     accumulate=into is not None)
             self._row_backwards[key] = run
+        produced = self._produced(trainable)
+        if into is not None:
+            sources = dict(trainable)
+            with torch.no_grad():
+                run(per_row + shared + [into[sources[i]] for i in produced])
+            return None
         with torch.no_grad():
             stacked = run(per_row + shared)
-        by_index = dict(zip(self._produced(trainable), stacked))
+        by_index = dict(zip(produced, stacked))
         return {source: by_index.get(i) for i, source in trainable}
 
     def _produced(self, trainable: list) -> list[int]:
@@ -753,7 +825,8 @@ class _GraphRuntime:
         out = next(n for n in self._vmappable_backward().graph.nodes if n.op == "output")
         return [i for i, _ in trainable if out.args[0][i] is not None]
 
-    def _row_backward(self, kept: _Kept, q: int, trainable: list, inputs: list) -> Callable:
+    def _row_backward(self, kept: _Kept, q: int, trainable: list, inputs: list, *,
+                      accumulate: bool = False) -> Callable:
         """The per-row gradients of output ``q``, as one compiled function of the rows' stacked
         saved tensors (``[rows, *per-row shape]``, in the backward's order) and then the saved
         tensors every row shares.
@@ -768,7 +841,9 @@ class _GraphRuntime:
                 return (bmm(...), ...)          # [rows, *param.shape] each
 
         then compiled like the step's own graphs (``inductor``: ``compile_fx``; ``aot_eager``:
-        run as traced), so Reweight's backward runs the same kernels as recompute's."""
+        run as traced), so Reweight's backward runs the same kernels as recompute's.
+        ``accumulate`` (``aot_eager`` only): the graph takes one buffer per gradient after its
+        inputs and adds into it in place (``runtime/accumulate.py``), returning nothing."""
         from torch.fx.experimental.proxy_tensor import make_fx
 
         g = self.g
@@ -801,6 +876,8 @@ class _GraphRuntime:
         with torch.no_grad():
             traced = make_fx(rows_backward, tracing_mode="fake")(*inputs)
         if self.step.options.compiler == "aot_eager":
+            if accumulate:
+                traced, self._inplace_matmuls = accumulating(traced)
             run = frameless(traced)  # no Python frame per op (runtime/frameless.py)
             return lambda args: run(*args)
         from torch._inductor.compile_fx import compile_fx
@@ -1064,6 +1141,7 @@ class _GraphRuntime:
             for source, gr in state.sample_grads.pop((sample, q), {}).items():
                 total[source] = gr * w if source not in total else total[source] + gr * w
         state.arrived[sample] = [None] * len(got)  # complete; its buffer is freed
+        state.sample_blocks = {k: b for k, b in state.sample_blocks.items() if sample not in k[0]}
         return total
 
     def _recompute(self, args, reason: str):

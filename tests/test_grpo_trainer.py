@@ -65,6 +65,13 @@ def flux():
 
 def test_flux_schedules_match_recompute_and_eager(flux):
     check_agreement(flux["results"], flux["policy"], flux["config"])
+    # Reweight (the fixture's last run): after each sample's first trained step, the
+    # vectorised backward adds into the samples' gradient buffers itself, the weight
+    # gradients as in-place batched matmuls (runtime/accumulate.py).
+    stats = flux["trainer"].lean_step(list(flux["conditions"])).stats
+    steps = len(flux["policy"].sigmas) - 1
+    assert stats.reweight_fused_steps == (steps - 1) * 2, stats  # 2 prompts, one group each
+    assert stats.reweight_inplace_matmuls > 0
 
 
 def test_flux_with_kl_schedules_match_recompute_and_eager():
