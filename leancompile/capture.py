@@ -439,12 +439,12 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
             root = _alias_root(node)
             if root.op != "placeholder":
                 kept_roots[root.name] = root.meta["val"].untyped_storage().nbytes()
-    backward_aten = None
-    if backward is not None and compiler != "aot_eager":
-        backward_aten = copy.deepcopy(backward)  # Inductor rewrites the graph it lowers
+    # The backward as AOTAutograd made it, before the pipeline's passes (Inductor rewrites the
+    # graph it lowers; aot_eager's passes rewrite it in place): what Reweight's per-row
+    # backward is traced from. FlashOverlap's P2P schedules have no batching rule, and under
+    # parallel="fsdp" Reweight takes the gradient reductions out of this graph instead.
+    backward_aten = copy.deepcopy(backward) if backward is not None else None
     run_backward = compiled(backward, None, "backward")
-    if backward is not None and compiler == "aot_eager":
-        backward_aten = backward
     run_inference = compiled(inference, inf_inputs, "inference")
     return StepGraphs(
         roles=roles, num_outputs=num_outputs, output_types=output_types,

@@ -130,9 +130,11 @@ def cases() -> list[Case]:
                  _Policy(), lambda *a: None, None, {"group_size": 2}), "GRPOConfig"),
         Case("GRPOTrainer", "unknown parallel", lambda: GRPOTrainer(
                  _Policy(), lambda *a: None, None, GRPOConfig(), parallel="dp"), "dp"),
-        Case("GRPOTrainer", "parallel='fsdp' (not implemented)",
+        Case("GRPOTrainer", "parallel='fsdp' without a process group",
              lambda: GRPOTrainer(
-                 _Policy(), lambda *a: None, None, GRPOConfig(), parallel="fsdp"), "ddp"),
+                 _Policy(), lambda *a: None, None, GRPOConfig(), parallel="fsdp"),
+             "init_process_group"),
+        Case("GRPOConfig", "unknown overlap", lambda: GRPOConfig(overlap="async"), "async"),
         Case("GRPOTrainer", "parallel='ddp' without a process group",
              lambda: GRPOTrainer(
                  _Policy(), lambda *a: None, None, GRPOConfig(), parallel="ddp"),

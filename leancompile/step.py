@@ -65,6 +65,7 @@ from .compiler import LeanBackend, LeanGraphPass
 from .options import CompileOptions
 from .passes.lean_grpo import reweight_rows_per_backward
 from .report import Report, record_report
+from .passes.coalesced_sync import find_gradient_reductions, take_out_reductions
 from .runtime.accumulate import accumulating
 from .runtime.frameless import frameless
 from .runtime.reuse import Reused, gather_rows, row_hashes, storage_bytes, whole_hash
@@ -105,6 +106,11 @@ class StepConfig:
     parameter, which ``DistributedDataParallel``'s reducer requires) or nothing (False: no
     parameter-sized zeros written and added to ``.grad`` per call; for callers that read
     ``.grad`` only after the last update call, as ``GRPOTrainer`` does)."""
+    defer_reductions: bool = False
+    """Reweight with gradient reduce-scatters in the backward graph (``parallel="fsdp"``): the
+    per-row backward runs without them (``passes/coalesced_sync.py``), so per-row gradients
+    are full-size and rank-local; the weighted gradients of those parameters are not handed to
+    autograd but summed for ``take_deferred_grads()``, whose caller reduces them once."""
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -153,6 +159,8 @@ class StepStats:
     reweight_fused_steps: int = 0
     """Vectorised backwards that added into their samples' gradient buffers in place (every
     trained step of a sample after its first, when its rows come in the same chunks)."""
+    backward_graphs_run: int = 0
+    """Runs of the step's compiled backward graph (recompute's and Retain's backwards)."""
     reweight_inplace_matmuls: int = 0
     """Weight gradients of such a backward computed as an in-place ``baddbmm_`` into the
     buffer (``aot_eager``); the others are added with ``add_``."""
@@ -311,6 +319,9 @@ class _State:
         self.current_samples: list[int] | None = None
         self.sample_grads: dict = {}
         """Reweight with ``samples``: (sample, output) -> {parameter source: summed gradient}."""
+        self.deferred: dict = {}
+        """``defer_reductions``: id(parameter) -> (parameter, summed full-size gradient); kept
+        across rollouts and updates until ``take_deferred_grads()``."""
         self.sample_blocks: dict = {}
         """Reweight with ``samples``: (samples, output) -> {parameter source: [len(samples),
         *shape] block}, whose slices are those samples' ``sample_grads``."""
@@ -408,6 +419,8 @@ class _GraphRuntime:
         self._vmap_backward: fx.GraphModule | None = None
         self._row_backwards: dict = {}
         self._inplace_matmuls = 0
+        self._deferred_outputs: set[int] = set()
+        self._unreduced: fx.GraphModule | None = None
         """Reweight's compiled per-row backwards, by (number of rows, output, sizes)."""
         self._rows_like: dict[str, int] = {}
         """For a graph specialised to a batch of 1: the rows per sample of each input, from the
@@ -480,6 +493,7 @@ class _GraphRuntime:
         for j in self.g.differentiable:
             c = cotangents[j] if j < len(cotangents) else None
             tangents.append(torch.zeros_like(outputs[j]) if c is None else c.contiguous())
+        self.step._state.stats.backward_graphs_run += 1
         with torch.no_grad():
             return list(self.g.run_backward(list(bw_saved) + tangents))
 
@@ -637,6 +651,8 @@ class _GraphRuntime:
                 j < len(out_layouts) and (out_layouts[j] is None or hasattr(out_layouts[j],
                                                                             "outer"))
                 for j in g.differentiable)
+        backward = self._unreduced_backward if self.step.config.defer_reductions else \
+            self._backward
         if batched:
             chunk = self.rows_per_backward(kept)
             for start in range(0, len(kept.rows), chunk):
@@ -668,7 +684,7 @@ class _GraphRuntime:
                     one = torch.zeros_like(row_outputs[q])
                     one.reshape(-1)[0 if gather else row] = 1
                     cotangents[q] = one
-                    grads = self._backward(bw_saved, row_outputs, cotangents)
+                    grads = backward(bw_saved, row_outputs, cotangents)
                     self._keep_row_grads(kept, row, q, {source: grads[i]
                                                         for i, source in trainable})
                 state.stats.reweight_backwards += 1
@@ -727,6 +743,19 @@ class _GraphRuntime:
         state.stats.reweight_inplace_matmuls = self._inplace_matmuls
         return True
 
+    def _unreduced_backward(self, bw_saved, outputs, cotangents) -> list:
+        """``defer_reductions``, one row at a time: the backward graph without its gradient
+        reductions (``_vmappable_backward``), run as it is (aot_eager's way, also under
+        Inductor: this path is for calls the vectorised backward cannot take)."""
+        if self._unreduced is None:
+            self._unreduced = frameless(self._vmappable_backward())
+        tangents = []
+        for j in self.g.differentiable:
+            c = cotangents[j] if j < len(cotangents) else None
+            tangents.append(torch.zeros_like(outputs[j]) if c is None else c.contiguous())
+        with torch.no_grad():
+            return list(self._unreduced(*bw_saved, *tangents))
+
     def _keep_row_grads(self, kept: _Kept, row: int, q: int, row_grads: dict) -> None:
         if kept.samples is None:
             kept.grads[(row, q)] = row_grads
@@ -762,6 +791,15 @@ class _GraphRuntime:
         swapped for their twins with one (``runtime/vmap_ops.py``)."""
         if self._vmap_backward is None:
             gm = copy.deepcopy(self.g.backward_aten)
+            if self.step.config.defer_reductions:
+                found = find_gradient_reductions(gm)
+                if found.skipped:
+                    raise NotImplementedError(
+                        "reweight with deferred gradient reductions: the backward graph holds "
+                        "collectives that cannot be taken out of it: " + "; ".join(
+                            f"{n}: {why}" for n, why in found.skipped))
+                gm = take_out_reductions(gm, found)
+                self._deferred_outputs = {i for site in found.sites for i in site.outputs}
             for node in gm.graph.nodes:
                 if node.op == "call_function" and node.target in VMAP_REPLACEMENTS:
                     node.target = VMAP_REPLACEMENTS[node.target]
@@ -1106,6 +1144,13 @@ class _GraphRuntime:
                         if weight is not None:
                             add({source: None if gr is None else gr * weight
                                  for source, gr in kept.grads[(row, q)].items()})
+            deferred = kept_graph._deferred_outputs if reweight else set()
+            for s, i in zip(sources, trainable):
+                if i in deferred and s in total:
+                    grad = total.pop(s)
+                    held = state.deferred.get(id(args[i]))
+                    state.deferred[id(args[i])] = (args[i], grad if held is None
+                                                   else held[1] + grad)
             zero = self.step.config.zero_grads
             return [total[s] if s in total else torch.zeros_like(args[i]) if zero else None
                     for s, i in zip(sources, trainable)]
@@ -1445,6 +1490,14 @@ class LeanStep:
         finally:
             state.phase = None
         return list(state.graphs_called)
+
+    def take_deferred_grads(self) -> list[tuple[Tensor, Tensor]]:
+        """``defer_reductions``: (parameter, full-size gradient not yet reduced over the ranks)
+        for every parameter Reweight held back since the last call; the caller reduces them
+        and adds the result to the parameters' gradients."""
+        out = list(self._state.deferred.values())
+        self._state.deferred.clear()
+        return out
 
     def reset_stats(self) -> StepStats:
         """Return the stats so far and start counting anew."""

@@ -73,6 +73,8 @@ class BenchConfig:
     prompts: int = 1
     group_size: int = 2
     repeats: int = 5
+    parallel: str = "ddp"
+    """Under torchrun (more than one rank): ``ddp`` or ``fsdp`` (``GRPOTrainer(parallel=)``)."""
     compiler: str = "aot_eager"
     """The compiler of the report's top-level rows. With ``compilers`` given, it is set to the
     first of them."""
@@ -100,6 +102,8 @@ class BenchConfig:
         object.__setattr__(self, "compiler", compilers[0])
         if self.repeats < 1:
             raise ValueError(f"repeats={self.repeats} must be >= 1")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ValueError(f"parallel={self.parallel!r}; use 'ddp' or 'fsdp'")
 
 
 def build_policy(config: BenchConfig):
@@ -302,7 +306,7 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
     # Under torchrun: data parallel (the shared layout), and no eager row (FlowGRPO's eager loop
     # here is single-process).
     world = dist.get_world_size() if dist.is_initialized() else 1
-    parallel = "ddp" if world > 1 else None
+    parallel = config.parallel if world > 1 else None
     trainers = {c: GRPOTrainer(policy, mean_latent_reward, None, GRPOConfig(
         sde=sde, eta=0.3 if sde == "dance_grpo" else 0.9, group_size=config.group_size,
         timestep_fraction=config.fraction, compiler=c), parallel=parallel)
@@ -509,6 +513,8 @@ def main(argv=None) -> int:
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--fraction", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
+                   help="under torchrun: replicated (ddp) or sharded (fsdp) parameters")
     p.add_argument("--compiler", default=None, choices=COMPILERS,
                    help="compiler of the schedules (default aot_eager)")
     p.add_argument("--compilers", default=None,
@@ -530,7 +536,8 @@ def main(argv=None) -> int:
         config = BenchConfig(model=ns.model, schedules=tuple(ns.schedules.split(",")),
                              steps=ns.steps, layers=ns.layers, hidden=ns.hidden,
                              latent=ns.latent, group_size=ns.group_size, fraction=ns.fraction,
-                             repeats=ns.repeats, compiler=compilers[0], compilers=compilers)
+                             repeats=ns.repeats, parallel=ns.parallel, compiler=compilers[0],
+                             compilers=compilers)
     except ValueError as error:
         p.error(str(error))
     import torch.distributed as dist

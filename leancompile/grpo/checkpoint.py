@@ -20,8 +20,12 @@ complete (a rename within a directory is atomic on POSIX), then ``latest`` is re
 rename of its own temporary file. A crash at any point leaves ``latest`` naming a complete
 checkpoint (the previous one until the new one is in place); leftover ``*.tmp-*`` folders are
 ignored and can be deleted. Data parallel: parameters are replicated, rank 0 writes, every rank
-waits for it (a barrier) and loads the same files. Sharded (``fsdp``) parameters would go
-through ``torch.distributed.checkpoint``; that layout is not implemented yet.
+waits for it (a barrier) and loads the same files. Sharded (``parallel="fsdp"``): instead of
+``trainable.safetensors`` and ``optimizer.pt``, ``sharded/`` holds the parameters as written by
+``torch.distributed.checkpoint`` from every rank's ``DTensor`` ``Shard(0)`` parts, and
+``optimizer.rank<R>.pt`` each rank's optimizer state for its parts (resuming needs the same
+world size); every rank writes into the same temporary folder (a file system all ranks see,
+as ``torch.distributed.checkpoint`` needs), rank 0 renames it into place.
 
 Resuming reproduces the uninterrupted run: the same parameters, optimizer moments, step count
 and random states, so step ``k + 1`` after a load equals step ``k + 1`` of a run that never
@@ -72,15 +76,17 @@ def _write(trainer, folder: Path) -> None:
     from safetensors.torch import save_file
 
     params = dict(trainer.policy.named_parameters())
-    save_file({n: params[n].detach().contiguous().cpu() for n in trainer.trainable},
-              str(folder / "trainable.safetensors"))
-    peft_model = _peft_model(trainer.policy)
-    if peft_model is not None:
-        peft_model.save_pretrained(str(folder / "adapter"))
+    sharded = trainer.sharding is not None
+    if not sharded:  # sharded: torch.distributed.checkpoint wrote them (_save_sharded)
+        save_file({n: params[n].detach().contiguous().cpu() for n in trainer.trainable},
+                  str(folder / "trainable.safetensors"))
+        peft_model = _peft_model(trainer.policy)
+        if peft_model is not None:
+            peft_model.save_pretrained(str(folder / "adapter"))
     if trainer._reference is not None:
         save_file({n: t.detach().contiguous().cpu() for n, t in trainer._reference.items()},
                   str(folder / "reference.safetensors"))
-    if trainer.optimizer is not None:
+    if trainer.optimizer is not None and not sharded:
         torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -88,22 +94,48 @@ def _write(trainer, folder: Path) -> None:
     torch.save(rng, folder / "rng.pt")
     meta = {"format": _FORMAT, "step": trainer.step_count,
             "config": dataclasses.asdict(trainer.config),
-            "trainable": {n: list(params[n].shape) for n in trainer.trainable},
+            "trainable": {n: list(trainer._full_shapes()[n]) for n in trainer.trainable},
+            "sharded": sharded,
             "world_size": trainer.parallel.world_size,
             "parallel": trainer.parallel.parallel}
     (folder / "trainer.json").write_text(json.dumps(meta, indent=2, default=str))
 
 
+def _save_sharded(trainer, tmp: Path) -> None:
+    """``parallel="fsdp"``: every rank writes its parameter parts through
+    ``torch.distributed.checkpoint`` (``DTensor`` ``Shard(0)`` views, so the files do not
+    depend on the padding) and its optimizer state (for its parts) as
+    ``optimizer.rank<R>.pt``, all into ``tmp``, which every rank must see."""
+    import torch.distributed.checkpoint as dcp
+
+    par = trainer.parallel
+    dcp.save({"trainable": trainer.sharding.dtensors(trainer.policy)},
+             checkpoint_id=str(tmp / "sharded"), process_group=par.group)
+    if trainer.optimizer is not None:
+        torch.save(trainer.optimizer.state_dict(), tmp / f"optimizer.rank{par.rank:05d}.pt")
+
+
 def save(trainer, run_dir) -> Path:
     """Write the trainer's state as ``run_dir/step_K`` (K = steps taken) and point
-    ``run_dir/latest`` at it; returns the checkpoint folder. Collective when data parallel."""
+    ``run_dir/latest`` at it; returns the checkpoint folder. Collective when data parallel
+    (``fsdp``: every rank writes its parts, into a folder all ranks must see)."""
+    import torch.distributed as dist
+
     run_dir = Path(run_dir)
     name = f"step_{trainer.step_count:08d}"
     final = run_dir / name
     par = trainer.parallel
+    tmp = None
     if par.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-", dir=run_dir))
+    if trainer.sharding is not None:
+        box = [None if tmp is None else str(tmp)]
+        dist.broadcast_object_list(box, group_src=0, group=par.group)
+        tmp = Path(box[0])
+        _save_sharded(trainer, tmp)
+        par.barrier()
+    if par.rank == 0:
         _write(trainer, tmp)
         if final.exists():  # saved twice at one step: keep the newest
             stale = final.with_name(f"{name}.old-{os.getpid()}")
@@ -119,6 +151,25 @@ def save(trainer, run_dir) -> Path:
     return final
 
 
+def _load_sharded(trainer, folder: Path, meta: dict) -> None:
+    """``parallel="fsdp"``: the parameter parts through ``torch.distributed.checkpoint``
+    (in place, into this rank's parts) and this rank's optimizer state."""
+    import torch.distributed.checkpoint as dcp
+
+    par = trainer.parallel
+    views = trainer.sharding.dtensors(trainer.policy)
+    dcp.load({"trainable": views}, checkpoint_id=str(folder / "sharded"),
+             process_group=par.group)
+    if trainer.optimizer is None:
+        return
+    if meta["world_size"] != par.world_size:
+        raise ValueError(
+            f"{folder} holds optimizer state for {meta['world_size']} ranks' parameter parts; "
+            f"this run has {par.world_size}: resume with the same world size")
+    trainer.optimizer.load_state_dict(torch.load(
+        folder / f"optimizer.rank{par.rank:05d}.pt", weights_only=False))
+
+
 def load_into(trainer, path) -> Path:
     """Load a checkpoint (see ``latest_checkpoint``) into ``trainer``: its policy's trainable
     parameters, the reference copy, the optimizer, the random states and the step count."""
@@ -130,20 +181,27 @@ def load_into(trainer, path) -> Path:
         raise ValueError(f"{folder}: checkpoint format {meta.get('format')}, this version "
                          f"reads {_FORMAT}")
     params = dict(trainer.policy.named_parameters())
-    want = {n: list(params[n].shape) for n in trainer.trainable}
+    want = {n: list(trainer._full_shapes()[n]) for n in trainer.trainable}
     if meta["trainable"] != want:
         missing = sorted(set(meta["trainable"]) ^ set(want))[:5]
         raise ValueError(f"{folder} was saved from a policy with other trainable parameters "
                          f"(differing names or shapes, e.g. {missing}); build the same policy "
                          "(model, LoRA config) before loading")
-    saved = load_file(str(folder / "trainable.safetensors"))
-    with torch.no_grad():
-        for n in trainer.trainable:
-            params[n].copy_(saved[n])
+    if bool(meta.get("sharded")) != (trainer.sharding is not None):
+        raise ValueError(
+            f"{folder} was saved {'with' if meta.get('sharded') else 'without'} "
+            "parallel='fsdp' (sharded parameters); load it into a trainer built the same way")
+    if trainer.sharding is not None:
+        _load_sharded(trainer, folder, meta)
+    else:
+        saved = load_file(str(folder / "trainable.safetensors"))
+        with torch.no_grad():
+            for n in trainer.trainable:
+                params[n].copy_(saved[n])
     if (folder / "reference.safetensors").is_file() and trainer._reference is not None:
         for n, t in load_file(str(folder / "reference.safetensors")).items():
             trainer._reference[n] = t.to(trainer._reference[n].device)
-    if trainer.optimizer is not None:
+    if trainer.optimizer is not None and trainer.sharding is None:
         if not (folder / "optimizer.pt").is_file():
             raise ValueError(f"{folder} holds no optimizer state (saved without an optimizer)")
         trainer.optimizer.load_state_dict(torch.load(folder / "optimizer.pt",

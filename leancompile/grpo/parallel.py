@@ -40,11 +40,6 @@ class DataParallel:
                  timeout_s: float | None = 600.0):
         if parallel not in PARALLEL:
             raise ValueError(f"parallel={parallel!r}; use one of {PARALLEL}")
-        if parallel == "fsdp":
-            raise NotImplementedError(
-                "parallel='fsdp' (parameters sharded as DTensors and gathered inside the traced "
-                "step) is not implemented yet; use parallel='ddp' (replicated parameters, one "
-                "gradient all-reduce per update)")
         self.parallel = parallel
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0 (or None: the process "
@@ -136,7 +131,7 @@ class DataParallel:
                 self._wait(dist.broadcast(t.data, group_src=0, group=self.group,
                                           async_op=True), "the parameter broadcast")
 
-    def check_same(self, what: str, value: str) -> None:
+    def check_same(self, what: str, value: str, *, fix: str | None = None) -> None:
         """Raise ``RankMismatchError`` naming the ranks when ``value`` differs across ranks."""
         if not self.distributed:
             return
@@ -153,8 +148,9 @@ class DataParallel:
         detail = "; ".join(f"ranks {ranks}: {v[:300]}" for v, ranks in groups.items())
         raise RankMismatchError(
             f"{what} differs across the {self.world_size} ranks of the data-parallel trainer "
-            f"({detail}). Every rank must build the trainer with the same config and pass the "
-            "same global batch of conditions and the same generator seed")
+            f"({detail}). " + (fix or "Every rank must build the trainer with the same config "
+                               "and pass the same global batch of conditions and the same "
+                               "generator seed"))
 
     # -- collectives of a step ---------------------------------------------------------------
     def gather_rows(self, values: torch.Tensor, owned: torch.Tensor,
@@ -185,11 +181,41 @@ class DataParallel:
             return list(values)
         return self._all_reduce(torch.tensor(list(values), dtype=torch.float64)).tolist()
 
+    def reduce_scatter_grads(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``parallel="fsdp"``: ``full`` maps names to rank-local gradients of whole (padded,
+        ``[R * c, ...]``) parameters; returns each rank's ``[c, ...]`` part of their sum over
+        the ranks, with one reduce-scatter of one flat buffer per dtype and device (counted as
+        gradient syncs)."""
+        if not full:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        buckets: dict = {}
+        for name, g in full.items():
+            buckets.setdefault((g.dtype, g.device), []).append(name)
+        world = self.world_size
+        for names in buckets.values():
+            chunks = {n: full[n].reshape(world, -1) for n in names}
+            flat = torch.cat([torch.cat([chunks[n][r] for n in names]) for r in range(world)])
+            part = flat.new_empty(flat.numel() // world)
+            # torch >= 2.13 names it reduce_scatter_single (reduce_scatter_tensor deprecated)
+            reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+            self._wait(reduce_scatter(part, flat, group=self.group, async_op=True),
+                       "the gradient reduce-scatter")
+            self.sync_collectives += 1
+            self.sync_bytes += flat.numel() * flat.element_size()
+            offset = 0
+            for n in names:
+                shape = (full[n].shape[0] // world,) + tuple(full[n].shape[1:])
+                size = chunks[n].shape[1]
+                out[n] = part[offset:offset + size].view(shape)
+                offset += size
+        return out
+
     def sync_gradients(self, grads: dict[str, torch.Tensor]) -> tuple[int, int]:
         """Sum ``grads`` over the ranks in place: one all-reduce of one flat buffer per dtype
         and device. Returns (collectives, bytes) issued."""
-        if not self.distributed or not grads:
-            return 0, 0
+        if not self.distributed or not grads or self.parallel == "fsdp":
+            return 0, 0  # fsdp: the step's backward graphs reduce-scatter (counted there)
         count, nbytes = self.sync_collectives, self.sync_bytes
         buckets: dict = {}
         for name, g in grads.items():

@@ -39,6 +39,7 @@ from .rewards import check_rewards
 from .sde import SDE_KINDS, sde_step
 from .step import PolicyStep
 from .layout import LAYOUTS, Unit, assign, draw_samples, row_owner, step_seed
+from .fsdp import GatheredPolicy, ParameterSharding
 from .parallel import DataParallel
 from .timesteps import TimestepSelection
 
@@ -91,6 +92,10 @@ class GRPOConfig:
     cheap ops in the backward) before falling back to Reweight or Recompute."""
     compiler: str = "aot_eager"
     """What runs the captured graphs: ``aot_eager`` or ``inductor``."""
+    overlap: str | None = None
+    """The step's communication/compute overlap (``CompileOptions.overlap``): with
+    ``parallel="fsdp"``, ``"flash"`` rewrites the parameter gathers feeding matmuls and the
+    weight-gradient matmuls feeding reduce-scatters into decomposed P2P schedules."""
     max_grad_norm: float | None = 1.0
     """Gradient clipping in ``step`` (None: no clipping)."""
     updates_per_rollout: int = 1
@@ -129,6 +134,9 @@ class GRPOConfig:
             raise ValueError(f"updates_per_rollout={self.updates_per_rollout} must be >= 1")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+        if self.overlap not in (None, "flash", "slice"):
+            raise ValueError(f"overlap={self.overlap!r}; use None, 'flash' or 'slice' "
+                             "(CompileOptions.overlap)")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r}; use one of {LAYOUTS}")
 
@@ -263,14 +271,52 @@ class GRPOTrainer:
                       if p.requires_grad]
             self.parallel.check_same("the GRPOConfig and trainable parameters",
                                      f"{config!r} {shapes}")
-            self.parallel.broadcast_module(policy)
+            held = getattr(policy, "_leancompile_sharding", None)
+            if held is None:
+                self.parallel.broadcast_module(policy)
+            elif self.parallel.parallel != "fsdp":
+                raise ValueError(f"the policy's parameters were sharded by a "
+                                 f"parallel='fsdp' trainer; parallel={parallel!r} needs whole "
+                                 "parameters: build it on an unsharded policy")
         self._velocity = _Velocity(policy)
+        # Before sharding: the KL's reference keeps full-size weights on every rank.
         self._reference = self._make_reference() if config.beta > 0 else None
+        self.sharding: ParameterSharding | None = None
+        """``parallel="fsdp"``: the trainable parameters' shards (``leancompile.grpo.fsdp``)."""
+        if self.parallel.parallel == "fsdp" and self.parallel.distributed:
+            self._shard(optimizer)
         self._steps: dict = {}
         self._cost_cache: dict = {}
         self.last_rollout: Rollout | None = None
 
     # -- set-up -------------------------------------------------------------------------------
+    def _shard(self, optimizer) -> None:
+        """``parallel="fsdp"``: replace the trainable parameters by this rank's shards, and
+        point a fresh optimizer at them (it must not have taken a step yet: its state would
+        be for the full parameters)."""
+        before = dict(self.policy.named_parameters())
+        if optimizer is not None and len(optimizer.state):
+            raise ValueError(
+                "parallel='fsdp' shards the policy's parameters when the trainer is built, but "
+                "the optimizer already holds state for the full parameters; build the trainer "
+                "with a fresh optimizer (or load a checkpoint after building it)")
+        par = self.parallel
+        held = getattr(self.policy, "_leancompile_sharding", None)
+        if held is not None:  # a second trainer on a policy an earlier one sharded
+            if (held.group, held.world_size) != (par.group, par.world_size):
+                raise ValueError("the policy is already sharded over another process group; "
+                                 "build the trainer with that group (process_group=...)")
+            self.sharding = held
+            return
+        self.sharding = ParameterSharding(self.policy, par.group, rank=par.rank,
+                                          world_size=par.world_size)
+        self.policy._leancompile_sharding = self.sharding
+        after = dict(self.policy.named_parameters())
+        swap = {id(before[n]): after[n] for n in self.sharding.shapes}
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                group["params"] = [swap.get(id(p), p) for p in group["params"]]
+
     def _make_reference(self) -> dict[str, torch.Tensor]:
         mode = self.config.reference
         has_lora = any("lora_B" in n for n in self.trainable)
@@ -281,10 +327,19 @@ class GRPOTrainer:
                 raise ValueError("reference='adapter' needs a peft LoRA policy (parameters named"
                                  " ...lora_B...); use reference='copy'")
             # lora_B = 0 makes every adapter add exactly zero: the base model.
-            return {f"policy.{n}": torch.zeros_like(p) for n, p in self.policy.named_parameters()
-                    if "lora_B" in n}
+            shapes = self._full_shapes()
+            return {f"policy.{n}": p.new_zeros(shapes[n])
+                    for n, p in self.policy.named_parameters() if "lora_B" in n}
+        held = getattr(self.policy, "_leancompile_sharding", None)
+        if held is not None:  # a policy an earlier fsdp trainer sharded: gather it
+            return {f"policy.{n}": t for n, t in held.full_parameters(self.policy).items()}
         return {f"policy.{n}": p.detach().clone() for n, p in self.policy.named_parameters()
                 if p.requires_grad}
+
+    def _full_shapes(self) -> dict[str, torch.Size]:
+        held = getattr(self.policy, "_leancompile_sharding", None)
+        return {n: held.shapes[n] if held is not None and n in held.shapes else p.shape
+                for n, p in self.policy.named_parameters()}
 
     def lean_step(self, keys, partitioner_budget: float | None = None) -> LeanStep:
         """The policy step compiled with LeanGRPO schedules (one per condition keys and
@@ -292,7 +347,9 @@ class GRPOTrainer:
         cfg = self.config
         key = (tuple(keys), partitioner_budget)
         if key not in self._steps:
-            module = PolicyStep(self.policy, sde=cfg.sde, eta=cfg.eta, condition_keys=keys,
+            policy = self.policy if self.sharding is None else \
+                GatheredPolicy(self.policy, self.sharding)
+            module = PolicyStep(policy, sde=cfg.sde, eta=cfg.eta, condition_keys=keys,
                                 with_kl=cfg.beta > 0)
             # Reweight's update calls before a sample's last hand autograd no zeros (.grad is
             # read after the last), unless a DistributedDataParallel inside the policy needs a
@@ -302,10 +359,11 @@ class GRPOTrainer:
             ddp = isinstance(self.policy, torch.nn.Module) and any(
                 isinstance(m, DistributedDataParallel) for m in self.policy.modules())
             self._steps[key] = LeanStep(
-                module, options=CompileOptions(compiler=cfg.compiler, schedule="auto"),
+                module, options=CompileOptions(compiler=cfg.compiler, schedule="auto",
+                                               overlap=cfg.overlap),
                 config=StepConfig(schedule="retain", partitioner_budget=partitioner_budget,
                                   sample_output=0, sample_arg="prev_sample",
-                                  zero_grads=ddp))
+                                  zero_grads=ddp, defer_reductions=self.sharding is not None))
         return self._steps[key]
 
     def _grad_bytes(self) -> int:
@@ -482,6 +540,9 @@ class GRPOTrainer:
                 reason = (f"{agreed}: another rank's rows do not fit {schedule} (this rank: "
                           f"{reason})")
                 schedule, partitioner_budget = agreed, None
+        if self.sharding is not None:
+            self._check_fsdp_calls(keys, example, mask, local, units, chunk_steps,
+                                   schedule)
         return _Setup(keys=keys, num_prompts=num_prompts, batch=batch, cond=cond,
                       cond_list=cond_list, selected=selected, latents0=latents0, noise=noise,
                       chunk_steps=chunk_steps, mask=mask,
@@ -489,6 +550,49 @@ class GRPOTrainer:
                       reason=reason, plans=plans, partitioner_budget=partitioner_budget,
                       budget_bytes=budget_bytes, seed=seed, layout=layout, local=local,
                       owned=owned, units=units)
+
+    def _check_fsdp_calls(self, keys, example, mask, local, units, chunk_steps,
+                          schedule: str) -> None:
+        """``parallel="fsdp"`` gathers the parameters inside every step call and
+        reduce-scatters their gradients inside every backward graph, so every rank must make
+        the same calls in the same order (and the graphs must gather in one order): compared
+        across the ranks before the rollout, with what to change when they differ."""
+        graph = self._graphs(self.lean_step(keys), example)
+        orders = {name: _gather_order(gm) for name, gm in (("forward", graph.forward),
+                                                           ("inference", graph.inference))
+                  if gm is not None}
+        if len(set(map(tuple, orders.values()))) > 1:
+            raise RuntimeError(
+                "parallel='fsdp': the step's forward and inference graphs gather the "
+                f"parameters in different orders ({orders}); ranks that run different graphs "
+                "at one step would pair the wrong all-gathers. Use parallel='ddp'")
+        cfg = self.config
+        per_group = schedule == "reweight" and not cfg.global_std and cfg.layout != "scattered"
+        groups = [list(u.rows) for u in units] if per_group else [local.tolist()]
+        split = schedule != "recompute"
+        calls = []
+        for rows in groups:
+            if not rows:
+                calls.append("-")
+                continue
+            m = mask[rows]
+            for k in range(m.shape[1]):
+                sel = m[:, k]
+                calls.append(f"{k}:{int(bool((~sel).any()))}{int(bool(sel.any()))}" if split
+                             else f"{k}")
+                if schedule != "reweight" and sel.any():
+                    calls.append(f"u{k}")  # the update's backward (and recompute's forward)
+        for c, steps in enumerate(chunk_steps[1:], start=1):  # later chunks: recomputed
+            if local.numel():
+                calls += [f"c{c}u{k}" for k in sorted(set(steps[local].flatten().tolist()))]
+        self.parallel.check_same(
+            "the step calls under parallel='fsdp'", f"{schedule} {' '.join(calls)}",
+            fix="parallel='fsdp' runs the parameter all-gathers inside every step call and the "
+                "gradient reduce-scatters inside every backward, so every rank must call the "
+                "step at the same denoising steps, with and without training: give every rank "
+                "rows of every prompt group (layout='shared' with group_size a multiple of the "
+                "world size) and train the same steps for every sample (not per-sample "
+                "'dance_grpo' subsets), or use parallel='ddp'")
 
     def explain_schedules(self, conditions, generator=None, *, schedule=None) -> ScheduleReport:
         """What ``leancompile.explain(trainer, conditions)`` returns: ``explain``."""
@@ -531,6 +635,7 @@ class GRPOTrainer:
         start = time.perf_counter()  # planning counts: a user's step pays for it
         st = self._setup(conditions, generator, schedule=schedule, chunks=chunks)
         st.lean.reset_stats()
+        st.lean.take_deferred_grads()  # nothing an earlier, abandoned rollout held back
         pending = PendingUpdate(trainer=self, setup=st, versions=self._versions())
         adv_config = AdvantageConfig(global_std=cfg.global_std, adv_clip_max=cfg.adv_clip_max)
         group_ids = group_ids_for(st.num_prompts, cfg.group_size)
@@ -652,7 +757,16 @@ class GRPOTrainer:
         for name, g in grads.items():
             params[name].grad = g.clone()
         trainable = [params[n] for n in grads]
-        if self.config.max_grad_norm is not None:
+        if self.sharding is not None:
+            # Sharded gradients: the norm is over every rank's parts (padding rows are 0).
+            local = sum(float(p.grad.double().square().sum()) for p in trainable)
+            norm = torch.tensor(self.parallel.all_sum([local])[0]).sqrt()
+            if self.config.max_grad_norm is not None:
+                scale = self.config.max_grad_norm / (float(norm) + 1e-6)
+                if scale < 1:
+                    for p in trainable:
+                        p.grad.mul_(scale)
+        elif self.config.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(trainable, self.config.max_grad_norm)
         else:
             norm = torch.linalg.vector_norm(torch.stack(
@@ -660,6 +774,16 @@ class GRPOTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
+
+
+def _gather_order(gm) -> list:
+    """The shapes gathered by the all-gathers of a graph, in order."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "all_gather_into_tensor" in str(node.target):
+            val = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
+            out.append(tuple(val.shape) if val is not None else None)
+    return out
 
 
 class PendingUpdate:
@@ -703,7 +827,39 @@ class PendingUpdate:
             grads[name] = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
             p.grad = None
         self.sync = self.trainer.parallel.sync_gradients(grads)
+        if self.trainer.sharding is not None:
+            self.sync = self._fsdp_reductions(grads)
         return grads
+
+    def _fsdp_reductions(self, grads: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """``parallel="fsdp"``: Reweight's held-back full gradients reduce-scattered with one
+        collective and added to ``grads``; returns (collectives, bytes) of this update's
+        gradient reductions, the backward graphs' own reduce-scatters included."""
+        par, lean = self.trainer.parallel, self.setup.lean
+        count, nbytes = par.sync_collectives, par.sync_bytes
+        names = {id(p): n for n, p in self.trainer.policy.named_parameters()}
+        held = {names[id(p)]: g for p, g in lean.take_deferred_grads()}
+        for name, part in par.reduce_scatter_grads(held).items():
+            grads[name] += part
+        in_graph, in_graph_bytes = self._in_graph_reductions()
+        return (par.sync_collectives - count + in_graph,
+                par.sync_bytes - nbytes + in_graph_bytes)
+
+    def _in_graph_reductions(self) -> tuple[int, int]:
+        """``parallel="fsdp"``: the gradient reduce-scatters the step's backward graphs ran
+        since the rollout began (each update call runs one backward), and their bytes."""
+        lean = self.setup.lean
+        count = nbytes = 0
+        # Counted in the backward as AOTAutograd made it: FlashOverlap may have turned a
+        # reduce-scatter into P2P steps, which still reduce once.
+        graph = next((g for g in lean.graphs if g.backward_aten is not None), None)
+        for node in [] if graph is None else graph.backward_aten.graph.nodes:
+            if node.op == "call_function" and "reduce_scatter_tensor" in str(node.target):
+                val = node.args[0].meta.get("val")
+                count += 1
+                nbytes += val.numel() * val.element_size() if val is not None else 0
+        calls = lean.stats.backward_graphs_run
+        return count * calls, nbytes * calls
 
     def restore_grads(self) -> None:
         for name, p in self.trainer.policy.named_parameters():

@@ -1,0 +1,197 @@
+"""``GRPOTrainer(parallel="fsdp")`` on gloo: parameters sharded along dim 0, gathered inside the
+traced step (all-gathers in the forward graph, reduce-scatters in the backward graph); every
+layout x schedule gives the single-process gradients; Reweight's reductions are taken out of
+its per-row backward and done once per update; ranks whose calls would not pair up stop with a
+clear error; an optimizer step on the shards equals the single-process step."""
+
+import copy
+import dataclasses
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from grpo_reference import agreement
+from models import ToyFlowPolicy, tiny_flux_policy
+
+
+def mean_latent_reward(latents, conditions):
+    return latents.float().flatten(1).mean(1)
+
+
+def _full(grads: dict, shapes: dict, world: int) -> dict:
+    """Every rank's gradient parts gathered into the full gradients."""
+    out = {}
+    for name, g in grads.items():
+        parts = [torch.empty_like(g) for _ in range(world)]
+        dist.all_gather(parts, g.contiguous())
+        out[name] = torch.cat(parts)[:shapes[name][0]]
+    return out
+
+
+def _fsdp_worker(rank, world, init, out, kind):
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    from leancompile.grpo.parallel import RankMismatchError
+    from leancompile.grpo.trainer import GRPOConfig, GRPOTrainer
+
+    if kind == "flux":
+        base = tiny_flux_policy()
+        conditions = base.example_conditions(1, generator=torch.Generator().manual_seed(1),
+                                             sequence_length=8)
+        config = GRPOConfig(sde="flow_grpo", eta=0.9, group_size=2, layout="shared")
+        cases = [("shared", s, {}) for s in ("recompute", "retain", "reweight")]
+    else:
+        base = ToyFlowPolicy()
+        conditions = base.example_conditions(world, generator=torch.Generator().manual_seed(1))
+        # One prompt group per rank (conventional), one row of every group per rank (shared),
+        # and the same trained steps for every sample: every rank makes the same calls.
+        config = GRPOConfig(sde="flow_grpo", eta=0.9, group_size=world,
+                            timestep_fraction=0.75)
+        cases = [(layout, s, {}) for layout in ("shared", "conventional", "scattered")
+                 for s in ("recompute", "retain", "reweight")]
+        cases += [("shared", "reweight", {"beta": 0.1}), ("shared", "retain", {"beta": 0.1}),
+                  ("shared", "reweight", {"global_std": True})]
+        # FlashOverlap on the same graphs: the weight gathers feeding matmuls and the weight
+        # gradients feeding reduce-scatters become P2P schedules.
+        cases += [("shared", s, {"overlap": "flash"}) for s in ("recompute", "retain",
+                                                                 "reweight")]
+    shapes = {n: tuple(p.shape) for n, p in base.named_parameters()}
+    results = []
+    # One policy for the single-process references and one the first fsdp trainer shards;
+    # trainers with the same step share its compiled graphs (compiling is the slow part).
+    single_policy, sharded_policy = copy.deepcopy(base), copy.deepcopy(base)
+    compiled: dict = {}
+    for layout, schedule, extra in cases:
+        cfg = dataclasses.replace(config, layout=layout, **extra)
+        key = tuple(sorted(extra.items()))
+        single = GRPOTrainer(single_policy, mean_latent_reward, None, cfg)
+        trainer = GRPOTrainer(sharded_policy, mean_latent_reward, None, cfg, parallel="fsdp")
+        if key in compiled:
+            single._steps, trainer._steps = compiled[key]
+        compiled[key] = single._steps, trainer._steps
+        ref = single.compute_gradients(conditions, torch.Generator().manual_seed(5),
+                                       schedule=schedule)
+        got = trainer.compute_gradients(conditions, torch.Generator().manual_seed(5),
+                                        schedule=schedule)
+        local = {n: tuple(p.shape) for n, p in trainer.policy.named_parameters()}
+        full = _full(got.grads, shapes, world)
+        _, rel = agreement(full, ref.grads)
+        graph = trainer.lean_step(list(conditions)).graphs[0]
+        ops = [str(n.target) for gm in (graph.forward, graph.backward) for n in gm.graph.nodes]
+        unrewritten = [str(n.target) for n in graph.backward_aten.graph.nodes]
+        results.append({
+            "case": f"{layout}/{schedule}/{extra}", "rel": rel, "schedule": got.schedule,
+            "syncs": got.sync_collectives, "sync_bytes": got.sync_bytes,
+            "full_grad_bytes": sum(-(-s[0] // world) * world * torch.Size(s[1:]).numel() * 4
+                                   for s in shapes.values()),
+            "parameters": len(shapes),
+            "sharded": all(local[n][0] == -(-shapes[n][0] // world) for n in shapes),
+            "gathers": sum("all_gather_into_tensor" in o for o in ops),
+            "reduce_scatters": sum("reduce_scatter_tensor" in o for o in ops),
+            "reductions": sum("reduce_scatter_tensor" in o for o in unrewritten),
+            "p2p": sum("p2p_start" in o for o in ops),
+            "flash": "overlap" in extra,
+            "report": str(graph.report),
+            "backwards": trainer.lean_step(list(conditions)).stats.backward_graphs_run,
+            "rewards": float((got.rollout.rewards - ref.rollout.rewards).abs().max())})
+    report = {"results": results}
+    if kind == "toy":
+        # An optimizer built on the full parameters before the trainer: the trainer points it
+        # at the shards; one step equals the single-process step.
+        # (clipping at a norm the gradient exceeds: the norm is over every rank's parts)
+        cfg = dataclasses.replace(config, layout="shared", schedule="retain",
+                                  max_grad_norm=1e-3)
+        policies = [copy.deepcopy(base), copy.deepcopy(base)]
+        opts = [torch.optim.AdamW(p.parameters(), lr=1e-2) for p in policies]
+        GRPOTrainer(policies[0], mean_latent_reward, opts[0], cfg).step(
+            conditions, torch.Generator().manual_seed(9))
+        sharded = GRPOTrainer(policies[1], mean_latent_reward, opts[1], cfg, parallel="fsdp")
+        sharded.step(conditions, torch.Generator().manual_seed(9))
+        after = _full({n: p.detach() for n, p in policies[1].named_parameters()}, shapes, world)
+        _, report["step_rel"] = agreement(after, dict(policies[0].named_parameters()))
+        views = sharded.sharding.dtensors(policies[1])
+        report["dtensor_shapes_ok"] = all(tuple(v.shape) == shapes[n] for n, v in views.items())
+        # Checkpoint (parts through torch.distributed.checkpoint, optimizer state per rank),
+        # one more step; resumed into a fresh policy and optimizer, the same step again.
+        run_dir = os.path.join(out, "run")
+        sharded.save(run_dir)
+        sharded.step(conditions, torch.Generator().manual_seed(10))
+        first = _full({n: p.detach() for n, p in policies[1].named_parameters()}, shapes, world)
+        fresh = copy.deepcopy(base)
+        resumed = GRPOTrainer.load(run_dir, fresh, mean_latent_reward,
+                                   torch.optim.AdamW(fresh.parameters(), lr=1e-2),
+                                   parallel="fsdp")
+        resumed.step(conditions, torch.Generator().manual_seed(10))
+        again = _full({n: p.detach() for n, p in fresh.named_parameters()}, shapes, world)
+        report["resume_equal"] = all(torch.equal(first[n], again[n]) for n in shapes)
+        report["resume_step"] = resumed.step_count
+        # Per-sample step subsets (DanceGRPO) make the ranks' calls differ: refused up front.
+        dance = GRPOConfig(sde="dance_grpo", eta=0.3, group_size=world, layout="shared",
+                           timestep_fraction=0.5)
+        try:
+            GRPOTrainer(copy.deepcopy(base), mean_latent_reward, None, dance,
+                        parallel="fsdp").compute_gradients(
+                conditions, torch.Generator().manual_seed(5), schedule="retain")
+            report["mismatch"] = "no error"
+        except RankMismatchError as e:
+            report["mismatch"] = str(e)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+def _run(tmp_path, world, kind):
+    mp.spawn(_fsdp_worker, args=(world, str(tmp_path / "init"), str(tmp_path), kind),
+             nprocs=world, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _check(ranks):
+    for r, report in enumerate(ranks):
+        for entry in report["results"]:
+            schedule = entry["case"].split("/")[1]
+            assert entry["schedule"] == schedule, entry
+            assert entry["sharded"], entry
+            assert entry["rel"] <= (1e-5 if schedule == "reweight" else 1e-6), (r, entry)
+            assert entry["rewards"] <= 1e-6, (r, entry)
+            if entry["flash"]:
+                # The weights' gathers and gradient reductions became P2P schedules; the
+                # biases' (no matmul slices along them) stay collectives, with the reason.
+                report = entry["report"]
+                assert "rewrote 2 x all_gather+mm" in report, report
+                assert "rewrote 2 x mm+reduce_scatter" in report, report
+                assert "only the bias of addmm" in report, report
+                assert entry["p2p"] > 0 and entry["gathers"] == entry["parameters"] - 2, entry
+            else:
+                # The gathers are in the forward graph, the reductions in the backward graph.
+                assert entry["gathers"] == entry["parameters"], entry
+                assert entry["p2p"] == 0, entry
+            assert 0 < entry["reductions"] <= entry["parameters"], entry
+            if schedule == "reweight":
+                # Taken out of the per-row backward: one reduce-scatter per update, of every
+                # (padded) full gradient; no backward graph ran.
+                assert entry["syncs"] == 1, entry
+                assert entry["sync_bytes"] == entry["full_grad_bytes"], entry
+                assert entry["backwards"] == 0, entry
+            else:
+                assert entry["backwards"] > 0, entry
+                assert entry["syncs"] == entry["reductions"] * entry["backwards"], entry
+
+
+def test_fsdp_four_ranks_every_layout_and_schedule_equals_one_process(tmp_path):
+    ranks = _run(tmp_path, 4, "toy")
+    _check(ranks)
+    for report in ranks:
+        assert report["step_rel"] <= 1e-6, report["step_rel"]
+        assert report["dtensor_shapes_ok"]
+        assert report["resume_equal"] and report["resume_step"] == 2, report
+        assert "parallel='fsdp' runs the parameter all-gathers" in report["mismatch"], \
+            report["mismatch"]
+        assert "layout='shared'" in report["mismatch"]
+
+
+def test_fsdp_two_ranks_tiny_flux_equals_one_process(tmp_path):
+    _check(_run(tmp_path, 2, "flux"))
