@@ -193,5 +193,12 @@ def test_fsdp_four_ranks_every_layout_and_schedule_equals_one_process(tmp_path):
         assert "layout='shared'" in report["mismatch"]
 
 
+def test_fsdp_two_ranks_toy_every_layout_and_schedule_equals_one_process(tmp_path):
+    ranks = _run(tmp_path, 2, "toy")
+    _check(ranks)
+    for report in ranks:
+        assert report["step_rel"] <= 1e-6 and report["resume_equal"], report
+
+
 def test_fsdp_two_ranks_tiny_flux_equals_one_process(tmp_path):
     _check(_run(tmp_path, 2, "flux"))
