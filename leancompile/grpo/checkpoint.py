@@ -157,17 +157,18 @@ def _load_sharded(trainer, folder: Path, meta: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
     par = trainer.parallel
+    state = None
+    if trainer.optimizer is not None:  # checked before anything is loaded
+        if meta["world_size"] != par.world_size:
+            raise ValueError(
+                f"{folder} holds optimizer state for {meta['world_size']} ranks' parameter "
+                f"parts; this run has {par.world_size}: resume with the same world size")
+        state = torch.load(folder / f"optimizer.rank{par.rank:05d}.pt", weights_only=False)
     views = trainer.sharding.dtensors(trainer.policy)
     dcp.load({"trainable": views}, checkpoint_id=str(folder / "sharded"),
              process_group=par.group)
-    if trainer.optimizer is None:
-        return
-    if meta["world_size"] != par.world_size:
-        raise ValueError(
-            f"{folder} holds optimizer state for {meta['world_size']} ranks' parameter parts; "
-            f"this run has {par.world_size}: resume with the same world size")
-    trainer.optimizer.load_state_dict(torch.load(
-        folder / f"optimizer.rank{par.rank:05d}.pt", weights_only=False))
+    if state is not None:
+        trainer.optimizer.load_state_dict(state)
 
 
 def load_into(trainer, path) -> Path:
