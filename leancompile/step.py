@@ -488,11 +488,17 @@ class _GraphRuntime:
         results = Reused.apply(backward_fn, outputs, *[args[i] for i in inputs])
         return self._finish(results, args)
 
-    def _backward(self, bw_saved, outputs, cotangents) -> list:
+    def _tangents(self, outputs, cotangents) -> list:
+        """The backward graph's tangent inputs: the differentiable outputs' cotangents
+        (zeros where none)."""
         tangents = []
         for j in self.g.differentiable:
             c = cotangents[j] if j < len(cotangents) else None
             tangents.append(torch.zeros_like(outputs[j]) if c is None else c.contiguous())
+        return tangents
+
+    def _backward(self, bw_saved, outputs, cotangents) -> list:
+        tangents = self._tangents(outputs, cotangents)
         self.step._state.stats.backward_graphs_run += 1
         with torch.no_grad():
             return list(self.g.run_backward(list(bw_saved) + tangents))
@@ -749,10 +755,7 @@ class _GraphRuntime:
         Inductor: this path is for calls the vectorised backward cannot take)."""
         if self._unreduced is None:
             self._unreduced = frameless(self._vmappable_backward())
-        tangents = []
-        for j in self.g.differentiable:
-            c = cotangents[j] if j < len(cotangents) else None
-            tangents.append(torch.zeros_like(outputs[j]) if c is None else c.contiguous())
+        tangents = self._tangents(outputs, cotangents)
         with torch.no_grad():
             return list(self._unreduced(*bw_saved, *tangents))
 
