@@ -109,6 +109,12 @@ def cases() -> list[Case]:
              "int"),
         Case("lean_compile", "unknown keyword",
              lambda: leancompile.lean_compile(_mlp(), schedule="retain", budget=3), "budget"),
+        Case("lean_compile", "unknown fallback",
+             lambda: leancompile.lean_compile(_mlp(), schedule="retain", fallback="skip"),
+             "fallback='skip'"),
+        Case("lean_compile", "deferred reductions with schedule auto",
+             lambda: leancompile.lean_compile(_mlp(), schedule="auto", defer_reductions=True),
+             "schedule='auto'"),
         # GRPO configuration
         Case("GRPOConfig", "unknown schedule", lambda: GRPOConfig(schedule="fast"), "fast"),
         Case("GRPOConfig", "unknown sde", lambda: GRPOConfig(sde="ddim"), "ddim"),

@@ -111,8 +111,20 @@ class StepConfig:
     per-row backward runs without them (``passes/coalesced_sync.py``), so per-row gradients
     are full-size and rank-local; the weighted gradients of those parameters are not handed to
     autograd but summed for ``take_deferred_grads()``, whose caller reduces them once."""
+    fallback: str = "recompute"
+    """What an update call does when it cannot reuse what its rollout kept (rows regrouped
+    across graphs, a fingerprint collision, a parameter change): ``"recompute"`` it (counted
+    in ``stats.recomputed`` with the reason) or ``"raise"`` (for graphs that hold collectives,
+    ``parallel="fsdp"``: a recompute on one rank would run gathers its peers do not)."""
 
     def __post_init__(self):
+        if self.fallback not in ("recompute", "raise"):
+            raise ValueError(f"fallback={self.fallback!r}; use 'recompute' or 'raise'")
+        if self.defer_reductions and self.schedule == "auto":
+            raise ValueError(
+                "defer_reductions=True with schedule='auto': auto picks retain or reweight per "
+                "call from this process's memory, so data-parallel ranks could run different "
+                "collectives; pick the schedule for all ranks (retain or reweight)")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r}; use one of {SCHEDULES}")
         if (self.sample_output is None) != (self.sample_arg is None):
@@ -775,9 +787,18 @@ class _GraphRuntime:
             merged[source] = gr.clone()
 
     def row_grad_bytes(self, args) -> int:
-        """Bytes of one row's gradient of one scalar output (the trainable parameters)."""
-        return sum(args[i].numel() * args[i].element_size() for i in self.params
-                   if args[i].requires_grad)
+        """Bytes of one row's gradient of one scalar output (the trainable parameters; with
+        ``defer_reductions``, the full-size gradients the backward hands back unreduced,
+        larger than the sharded inputs)."""
+        sizes = {i: args[i].numel() * args[i].element_size() for i in self.params
+                 if args[i].requires_grad}
+        if self.step.config.defer_reductions and self.g.backward_aten is not None:
+            out = next(n for n in self._vmappable_backward().graph.nodes if n.op == "output")
+            for i in sizes:
+                val = getattr(out.args[0][i], "meta", {}).get("val")
+                if isinstance(val, Tensor) and i in self._deferred_outputs:
+                    sizes[i] = val.numel() * val.element_size()
+        return sum(sizes.values())
 
     def rows_per_backward(self, kept: _Kept) -> int:
         """Reweight: how many rows one vectorised backward takes (``reweight_rows``, else from
@@ -975,8 +996,22 @@ class _GraphRuntime:
         state.stats.update_calls += 1
         assignment, reason = self._match(args)
         if assignment is None:
+            if state.kept:  # (a parameter change frees everything: recomputed everywhere)
+                return self._fallback(args, reason)
             return self._recompute(args, reason)
         return self._reuse(args, assignment)
+
+    def _fallback(self, args, reason: str):
+        """An update call that should have reused kept state and cannot: recomputed, or
+        ``StepConfig(fallback="raise")``'s error."""
+        if self.step.config.fallback == "raise":
+            raise RuntimeError(
+                f"this update call cannot reuse what the rollout kept ({reason}), and "
+                "fallback='raise' (graphs with collectives, parallel='fsdp': recomputing on "
+                "this rank alone would run gathers the other ranks do not). Make the update "
+                "calls repeat the rollout's trained calls (same rows, same inputs, no "
+                "parameter change in between)")
+        return self._recompute(args, reason)
 
     def _match(self, args):
         state, g = self.step._state, self.g
@@ -1063,7 +1098,7 @@ class _GraphRuntime:
         layouts = kept_graph.g.layouts
         if any(k.runtime.g.bw_saved != kept_graph.g.bw_saved or k.runtime.g.layouts != layouts
                for k, _ in runs):
-            return self._recompute(args, "rows kept by different graphs")
+            return self._fallback(args, "rows kept by different graphs")
         whole = all(rows == list(range(k.batch)) for k, rows in runs) and \
             len({id(k) for k, _ in runs}) == len(runs)
         row_local = bool(layouts.get("row_local"))
@@ -1071,7 +1106,7 @@ class _GraphRuntime:
                          for lay in layouts.get("outputs", [object()] * g.num_outputs))
         if not (row_local or (whole and (len(runs) == 1 or splittable))):
             reason = layouts.get("reason") or "the LeanGRPO stage did not run"
-            return self._recompute(args, f"rows regrouped, and {reason}")
+            return self._fallback(args, f"rows regrouped, and {reason}")
         outputs = []
         for j in range(g.num_outputs):
             if g.output_types[j] == "input":
@@ -1422,6 +1457,9 @@ class LeanStep:
             raise RuntimeError(f"rollout() inside {state.phase}(): the phases do not nest")
         if schedule is not None and schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULES}")
+        if schedule == "auto" and self.config.defer_reductions:
+            raise ValueError("rollout(schedule='auto') with defer_reductions=True: ranks could "
+                             "pick different schedules per call; pass retain or reweight")
         state.clear()
         state.schedule = schedule or self.config.schedule
         state.samples = samples

@@ -2,6 +2,7 @@
 crash during save keeps the previous checkpoint) and the data-parallel fault paths (a peer
 that dies or hangs ends the others with a clear error within the timeout)."""
 
+import datetime
 import json
 import os
 import signal
@@ -156,16 +157,29 @@ def test_killed_run_resumes_to_the_uninterrupted_next_step(tmp_path):
 
 
 def _fault_worker(rank, world, init, out, mode):
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    parallel, mode = ("fsdp", mode[5:]) if mode.startswith("fsdp-") else ("ddp", mode)
+    # fsdp: the collectives inside the compiled graphs wait for the process group's timeout
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=6 if parallel == "fsdp"
+                                                       else 1800))
     from leancompile.grpo.parallel import PeerFailureError
 
     policy, optimizer = make()
-    trainer = GRPOTrainer(policy, reward, optimizer, CONFIG, parallel="ddp", timeout_s=3)
-    if rank == 1:
+    trainer = GRPOTrainer(policy, reward, optimizer, CONFIG, parallel=parallel, timeout_s=3)
+
+    def fail():
         if mode == "die":
             os._exit(3)
-        time.sleep(8)  # hangs (past timeout_s)
+        time.sleep(12)  # hangs (past both timeouts)
         os._exit(0)
+
+    if rank == 1 and parallel == "ddp":
+        fail()
+    if parallel == "fsdp":  # one step first (compiled), then fail inside the step's gathers
+        trainer.step(conditions())
+        if rank == 1:
+            setup = trainer._setup
+            trainer._setup = lambda *a, **k: (setup(*a, **k), fail())
     start = time.perf_counter()
     try:
         trainer.step(conditions())
@@ -178,7 +192,7 @@ def _fault_worker(rank, world, init, out, mode):
     os._exit(0)
 
 
-@pytest.mark.parametrize("mode", ["die", "hang"])
+@pytest.mark.parametrize("mode", ["die", "hang", "fsdp-die", "fsdp-hang"])
 def test_a_dead_or_hung_peer_ends_the_others_with_a_clear_error(tmp_path, mode):
     ctx = mp.start_processes(_fault_worker, args=(2, str(tmp_path / "init"), str(tmp_path),
                                                   mode), nprocs=2, join=False,

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -34,7 +35,6 @@ def _full(grads: dict, shapes: dict, world: int) -> dict:
 def _fsdp_worker(rank, world, init, out, kind):
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    from leancompile.grpo.parallel import RankMismatchError
     from leancompile.grpo.trainer import GRPOConfig, GRPOTrainer
 
     if kind == "flux":
@@ -58,6 +58,15 @@ def _fsdp_worker(rank, world, init, out, kind):
         # gradients feeding reduce-scatters become P2P schedules.
         cases += [("shared", s, {"overlap": "flash"}) for s in ("recompute", "retain",
                                                                  "reweight")]
+        # Calls that differ across ranks: DanceGRPO's per-sample trained steps, a rank
+        # without rows (one prompt group, conventional), worker groups of the shared layout
+        # with different numbers of prompts (group_size 2 < 4 ranks, 3 prompts). The ranks
+        # pad to the union of their calls with a stand-in row whose loss is times zero.
+        # (4 ranks; the 2-rank run checks LoRA and chunked updates instead.)
+        dance = {"sde": "dance_grpo", "eta": 0.3, "timestep_fraction": 0.5, "prompts": 3}
+        cases += [("shared", "retain", dance), ("shared", "reweight", dance),
+                  ("conventional", "retain", {"group_size": 2, "prompts": 1}),
+                  ("shared", "reweight", {"group_size": 2, "prompts": 3})] if world == 4 else []
     shapes = {n: tuple(p.shape) for n, p in base.named_parameters()}
     results = []
     # One policy for the single-process references and one the first fsdp trainer shards;
@@ -65,16 +74,20 @@ def _fsdp_worker(rank, world, init, out, kind):
     single_policy, sharded_policy = copy.deepcopy(base), copy.deepcopy(base)
     compiled: dict = {}
     for layout, schedule, extra in cases:
-        cfg = dataclasses.replace(config, layout=layout, **extra)
+        prompts = extra.get("prompts")
+        cfg = dataclasses.replace(config, layout=layout, **{k: v for k, v in extra.items()
+                                                            if k != "prompts"})
+        case_conditions = conditions if prompts is None else base.example_conditions(
+            prompts, generator=torch.Generator().manual_seed(1))
         key = tuple(sorted(extra.items()))
         single = GRPOTrainer(single_policy, mean_latent_reward, None, cfg)
         trainer = GRPOTrainer(sharded_policy, mean_latent_reward, None, cfg, parallel="fsdp")
         if key in compiled:
             single._steps, trainer._steps = compiled[key]
         compiled[key] = single._steps, trainer._steps
-        ref = single.compute_gradients(conditions, torch.Generator().manual_seed(5),
+        ref = single.compute_gradients(case_conditions, torch.Generator().manual_seed(5),
                                        schedule=schedule)
-        got = trainer.compute_gradients(conditions, torch.Generator().manual_seed(5),
+        got = trainer.compute_gradients(case_conditions, torch.Generator().manual_seed(5),
                                         schedule=schedule)
         local = {n: tuple(p.shape) for n, p in trainer.policy.named_parameters()}
         full = _full(got.grads, shapes, world)
@@ -128,16 +141,38 @@ def _fsdp_worker(rank, world, init, out, kind):
         again = _full({n: p.detach() for n, p in fresh.named_parameters()}, shapes, world)
         report["resume_equal"] = all(torch.equal(first[n], again[n]) for n in shapes)
         report["resume_step"] = resumed.step_count
-        # Per-sample step subsets (DanceGRPO) make the ranks' calls differ: refused up front.
-        dance = GRPOConfig(sde="dance_grpo", eta=0.3, group_size=world, layout="shared",
-                           timestep_fraction=0.5)
-        try:
-            GRPOTrainer(copy.deepcopy(base), mean_latent_reward, None, dance,
-                        parallel="fsdp").compute_gradients(
-                conditions, torch.Generator().manual_seed(5), schedule="retain")
-            report["mismatch"] = "no error"
-        except RankMismatchError as e:
-            report["mismatch"] = str(e)
+    if kind == "toy" and world == 2:
+        # Two chunks per rollout: each update counts its own backward graphs' reductions.
+        pending = trainer.rollout(conditions, torch.Generator().manual_seed(5), chunks=2,
+                                  schedule="retain")
+        lean = pending.setup.lean
+        counts = [pending.update(chunk=c).sync_collectives for c in (0, 1)]
+        reductions = sum("reduce_scatter_tensor" in str(n.target)
+                         for n in lean.graphs[0].backward_aten.graph.nodes)
+        report["chunk_syncs"] = counts + [reductions * lean.stats.backward_graphs_run]
+        # LoRA adapters sharded (lora_B random, so the policy is not its reference yet), with
+        # the KL to the adapter-free reference: zero adapters at full size.
+        from peft import LoraConfig, get_peft_model
+
+        lora = copy.deepcopy(base)
+        torch.manual_seed(3)
+        lora.net = get_peft_model(lora.net, LoraConfig(r=2, target_modules=["0", "2"],
+                                                       init_lora_weights=False))
+        lora_shapes = {n: tuple(p.shape) for n, p in lora.named_parameters()
+                       if p.requires_grad}
+        lora_cfg = dataclasses.replace(config, layout="shared", beta=0.1, reference="adapter")
+        report["lora_rel"] = {}
+        for schedule in ("retain", "reweight"):
+            single = GRPOTrainer(copy.deepcopy(lora), mean_latent_reward, None, lora_cfg)
+            sharded = GRPOTrainer(copy.deepcopy(lora), mean_latent_reward, None, lora_cfg,
+                                  parallel="fsdp")
+            ref = single.compute_gradients(conditions, torch.Generator().manual_seed(5),
+                                           schedule=schedule)
+            got = sharded.compute_gradients(conditions, torch.Generator().manual_seed(5),
+                                            schedule=schedule)
+            _, report["lora_rel"][schedule] = agreement(
+                _full(got.grads, lora_shapes, world), ref.grads)
+            report["lora_kl"] = [got.kl, ref.kl]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()
@@ -188,9 +223,6 @@ def test_fsdp_four_ranks_every_layout_and_schedule_equals_one_process(tmp_path):
         assert report["step_rel"] <= 1e-6, report["step_rel"]
         assert report["dtensor_shapes_ok"]
         assert report["resume_equal"] and report["resume_step"] == 2, report
-        assert "parallel='fsdp' runs the parameter all-gathers" in report["mismatch"], \
-            report["mismatch"]
-        assert "layout='shared'" in report["mismatch"]
 
 
 def test_fsdp_two_ranks_toy_every_layout_and_schedule_equals_one_process(tmp_path):
@@ -198,7 +230,38 @@ def test_fsdp_two_ranks_toy_every_layout_and_schedule_equals_one_process(tmp_pat
     _check(ranks)
     for report in ranks:
         assert report["step_rel"] <= 1e-6 and report["resume_equal"], report
+        first, second, total = report["chunk_syncs"]
+        assert first > 0 and second > 0 and first + second == total, report["chunk_syncs"]
+        assert all(rel <= 1e-5 for rel in report["lora_rel"].values()), report["lora_rel"]
+        assert report["lora_kl"][1] > 0 and abs(report["lora_kl"][0] - report["lora_kl"][1]) \
+            <= 1e-6 * report["lora_kl"][1], report["lora_kl"]
 
 
 def test_fsdp_two_ranks_tiny_flux_equals_one_process(tmp_path):
     _check(_run(tmp_path, 2, "flux"))
+
+
+def test_sharding_keeps_tied_parameters_tied_and_refuses_0_dim_before_changing_anything():
+    from leancompile.grpo.fsdp import ParameterSharding
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(5, 4)
+            self.head = torch.nn.Linear(4, 5, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    full = model.embed.weight.detach().clone()
+    sharding = ParameterSharding(model, None, rank=1, world_size=2)
+    assert model.head.weight is model.embed.weight  # still one parameter
+    assert sharding.aliases == {"embed.weight": ["head.weight"]}
+    # 5 rows over 2 ranks: 3 per part, rank 1 holds rows 3..4 and one row of padding.
+    assert torch.equal(model.embed.weight[:2], full[3:]) and not model.embed.weight[2].any()
+
+    model = Tied()
+    model.scale = torch.nn.Parameter(torch.tensor(2.0))
+    before = {n: p for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"\['scale'\] are 0-dim"):
+        ParameterSharding(model, None, rank=0, world_size=2)
+    assert all(p is before[n] for n, p in model.named_parameters())  # nothing replaced

@@ -177,14 +177,15 @@ def toy_loop_once(policy, fn, *, perturb=None, change_params=False, noise=None):
     return {n: p.grad.clone() for n, p in policy.named_parameters()}
 
 
-def _guard(case, **kwargs):
+def _guard(case, step_kwargs=None, **kwargs):
     torch._dynamo.reset()
     base = ToyFlowPolicy(steps=4)
     plain = copy.deepcopy(base)
     reference = toy_loop_once(plain, leancompile.lean_compile(plain.velocity,
                                                               backend="aot_eager"), **kwargs)
     wrapped = copy.deepcopy(base)
-    step = leancompile.lean_compile(wrapped.velocity, backend="aot_eager", schedule="retain")
+    step = leancompile.lean_compile(wrapped.velocity, backend="aot_eager", schedule="retain",
+                                    **(step_kwargs or {}))
     got = toy_loop_once(wrapped, step, **kwargs)
     assert rel_l2(got, reference) <= 1e-6, case
     return step.stats
@@ -201,6 +202,21 @@ def test_parameters_changed_by_hand_recompute():
     stats = _guard("changed", change_params=True)
     assert stats.reused_calls == 0 and stats.forwards_run == 6
     assert any("parameters changed since the rollout" in r for r in stats.recomputed)
+
+
+def test_fallback_raise_refuses_a_local_recompute_but_not_a_parameter_change():
+    """``fallback="raise"`` (graphs with collectives, the fsdp trainer): a call that cannot
+    reuse what was kept is an error, not a recompute on this process alone; after a parameter
+    change every call recomputes (the same on every rank), so that still runs."""
+    with pytest.raises(RuntimeError, match=r"row 1: inputs not seen in the rollout.*"
+                                           r"fallback='raise'"):
+        _guard("perturbed", {"fallback": "raise"}, perturb=1)
+    stats = _guard("changed", {"fallback": "raise"}, change_params=True)
+    assert stats.forwards_run == 6
+    with pytest.raises(ValueError, match="fallback='nope'"):
+        leancompile.step.StepConfig(fallback="nope")
+    with pytest.raises(ValueError, match="defer_reductions=True with schedule='auto'"):
+        leancompile.step.StepConfig(schedule="auto", defer_reductions=True)
 
 
 def test_dropout_is_refused_with_the_fix_or_recomputed():

@@ -38,8 +38,8 @@ import dataclasses
 import json
 import os
 import random
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -47,6 +47,16 @@ import torch
 __all__ = ["latest_checkpoint", "load_into", "save"]
 
 _FORMAT = 1
+
+
+def _base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if n == 0:
+            return out
 
 
 def latest_checkpoint(path) -> Path:
@@ -119,8 +129,6 @@ def save(trainer, run_dir) -> Path:
     """Write the trainer's state as ``run_dir/step_K`` (K = steps taken) and point
     ``run_dir/latest`` at it; returns the checkpoint folder. Collective when data parallel
     (``fsdp``: every rank writes its parts, into a folder all ranks must see)."""
-    import torch.distributed as dist
-
     run_dir = Path(run_dir)
     name = f"step_{trainer.step_count:08d}"
     final = run_dir / name
@@ -128,11 +136,19 @@ def save(trainer, run_dir) -> Path:
     tmp = None
     if par.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-", dir=run_dir))
+        while True:  # a fresh folder (a suffix of base-36 digits, see below)
+            tmp = run_dir / f"{name}.tmp-{_base36(secrets.randbits(40))}"
+            try:
+                tmp.mkdir()
+                break
+            except FileExistsError:
+                continue
     if trainer.sharding is not None:
-        box = [None if tmp is None else str(tmp)]
-        dist.broadcast_object_list(box, group_src=0, group=par.group)
-        tmp = Path(box[0])
+        # Every rank writes into rank 0's temporary folder: its random suffix is broadcast
+        # (as a number, through the trainer's collectives, so a dead rank 0 is an error
+        # within timeout_s, not a hang).
+        suffix = par.broadcast_int(0 if tmp is None else int(tmp.name.rsplit("-", 1)[1], 36))
+        tmp = run_dir / f"{name}.tmp-{_base36(suffix)}"
         _save_sharded(trainer, tmp)
         par.barrier()
     if par.rank == 0:

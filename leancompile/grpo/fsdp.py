@@ -23,8 +23,9 @@ instead, out of reach of any graph pass: a model already wrapped in it can be tr
 ``parallel="ddp"`` semantics only if it is not also sharded (see the docs).
 
 Because the collectives are in every call of the step, every rank must make the same calls in
-the same order (``call_signature``): the trainer checks this before each rollout and says
-which configurations give it.
+the same order: the trainer pads each rank's calls to the union of all ranks' calls with a
+stand-in row whose loss is times zero (``GRPOTrainer._fsdp_padding``) and compares the planned
+calls across the ranks before each rollout.
 """
 
 from __future__ import annotations
@@ -58,13 +59,20 @@ class ParameterSharding:
         """Full shape of every sharded parameter."""
         self.rows: dict[str, int] = {}
         """Rows of each rank's (padded) part."""
-        for name, p in list(policy.named_parameters()):
-            if not p.requires_grad:
-                continue
-            if p.dim() == 0:
-                raise ValueError(
-                    f"parallel='fsdp' shards parameters along dim 0, but {name!r} is a 0-dim "
-                    "tensor; make it shape [1] or freeze it (requires_grad=False)")
+        trainable = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
+        flat = [n for n, p in trainable if p.dim() == 0]
+        if flat:  # checked before anything is replaced: a refused policy stays whole
+            raise ValueError(
+                f"parallel='fsdp' shards parameters along dim 0, but {flat} are 0-dim "
+                "tensors; make them shape [1] or freeze them (requires_grad=False)")
+        # Tied parameters (one tensor under several names): every name gets the same part,
+        # so they stay tied (functional_call then gathers it once for all of them).
+        aliases: dict[int, list[str]] = {}
+        for name, p in policy.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        self.aliases: dict[str, list[str]] = {}
+        """Other names of each tied sharded parameter."""
+        for name, p in trainable:
             rows = math.ceil(p.shape[0] / world_size)
             full = p.detach()
             if rows * world_size != p.shape[0]:
@@ -72,8 +80,11 @@ class ParameterSharding:
                                                        *p.shape[1:])])
             part = nn.Parameter(full[rank * rows:(rank + 1) * rows].clone(),
                                 requires_grad=True)
-            module, leaf = _owner(policy, name)
-            setattr(module, leaf, part)
+            for alias in aliases[id(p)]:
+                module, leaf = _owner(policy, alias)
+                setattr(module, leaf, part)
+            if len(aliases[id(p)]) > 1:
+                self.aliases[name] = [a for a in aliases[id(p)] if a != name]
             self.shapes[name] = p.shape
             self.rows[name] = rows
 

@@ -13,6 +13,7 @@ bytes are counted: ``sync_collectives`` / ``sync_bytes`` (gradient reductions) a
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 from collections.abc import Sequence
@@ -25,6 +26,9 @@ from .layout import worker_groups
 __all__ = ["PARALLEL", "DataParallel", "PeerFailureError", "RankMismatchError"]
 
 PARALLEL = (None, "ddp", "fsdp")
+# What the c10d backends say when a peer is gone or a collective timed out.
+_PEER_FAILURES = ("Connection reset", "onnection closed", "Timed out", "timed out",
+                  "ncclRemoteError", "communicator was aborted")
 
 
 class RankMismatchError(RuntimeError):
@@ -100,6 +104,31 @@ class DataParallel:
                 "no longer usable: exit this process (torchrun restarts or ends the job) and "
                 "resume from the last checkpoint (GRPOTrainer.load)") from e
 
+    @contextlib.contextmanager
+    def graph_collectives(self):
+        """Around code whose compiled graphs hold collectives (``parallel="fsdp"``): a
+        collective that failed there because a peer died or hung (the backend's own error,
+        raised within the process group's timeout) becomes ``PeerFailureError`` with what to
+        do."""
+        try:
+            yield
+        except PeerFailureError:
+            raise
+        except RuntimeError as e:
+            text = str(e)
+            if not self.distributed or not (
+                    isinstance(e, getattr(dist, "DistNetworkError", ())) or any(
+                        s in text for s in _PEER_FAILURES)):
+                raise
+            raise PeerFailureError(
+                f"rank {self.rank} of {self.world_size}: a collective inside the step's "
+                f"compiled graphs (parameter gathers / gradient reductions) failed: a peer "
+                f"rank died, hangs or is running something else ({type(e).__name__}: "
+                f"{text[:300]}). These collectives "
+                "wait for the process group's timeout (init_process_group(timeout=...)), not "
+                "timeout_s. The process group is no longer usable: exit this process and "
+                "resume from the last checkpoint (GRPOTrainer.load)") from e
+
     def barrier(self) -> None:
         if self.distributed:
             self._wait(dist.barrier(group=self.group, async_op=True), "a barrier")
@@ -163,6 +192,18 @@ class DataParallel:
         out = torch.where(mask, values, torch.zeros((), dtype=values.dtype))
         return self._all_reduce(out.contiguous(), ranks=ranks,
                                 what="gathering rewards / log-probs")
+
+    def broadcast_int(self, value: int) -> int:
+        """The group's rank 0's ``value`` (a non-negative integer below 2**62) on every
+        rank."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        self._wait(dist.broadcast(t, group_src=0, group=self.group, async_op=True),
+                   "a broadcast from rank 0")
+        self.other_collectives += 1
+        self.other_bytes += 8
+        return int(t.item())
 
     def all_max(self, value: float) -> float:
         if not self.distributed:

@@ -245,6 +245,11 @@ class _Setup:
     """``[B]`` bool: ``local`` as a mask."""
     units: list
     """``leancompile.grpo.layout.Unit``: this rank's work, in order."""
+    padding: list | None = None
+    """``parallel="fsdp"``: per unit index (every rank's longest list of units), per
+    denoising step, the (untrained, trained) rollout calls every rank makes at that step:
+    a rank without rows for one of them calls the step on a stand-in row instead
+    (``_fsdp_padding``)."""
 
 
 class GRPOTrainer:
@@ -328,8 +333,23 @@ class GRPOTrainer:
                                  " ...lora_B...); use reference='copy'")
             # lora_B = 0 makes every adapter add exactly zero: the base model.
             shapes = self._full_shapes()
-            return {f"policy.{n}": p.new_zeros(shapes[n])
-                    for n, p in self.policy.named_parameters() if "lora_B" in n}
+            if not (self.parallel.parallel == "fsdp" and self.parallel.distributed):
+                return {f"policy.{n}": p.new_zeros(shapes[n])
+                        for n, p in self.policy.named_parameters() if "lora_B" in n}
+            # parallel="fsdp": the policy's trainable parameters are (or are about to be)
+            # parts, so the reference names every one of them at full size. lora_A's value
+            # does not matter once lora_B is 0; any other trainable weight would have to be
+            # gathered for every reference call.
+            others = [n for n in self.trainable if "lora_" not in n]
+            if others:
+                raise ValueError(
+                    f"reference='adapter' with parallel='fsdp': trainable parameters outside "
+                    f"the LoRA adapters ({others[:4]}{' ...' if len(others) > 4 else ''}) are "
+                    "sharded, and the adapter reference would need them gathered on every "
+                    "reference call; use reference='copy' (a full copy on every rank) or "
+                    "freeze them")
+            params = dict(self.policy.named_parameters())
+            return {f"policy.{n}": params[n].new_zeros(shapes[n]) for n in self.trainable}
         held = getattr(self.policy, "_leancompile_sharding", None)
         if held is not None:  # a policy an earlier fsdp trainer sharded: gather it
             return {f"policy.{n}": t for n, t in held.full_parameters(self.policy).items()}
@@ -363,12 +383,16 @@ class GRPOTrainer:
                                                overlap=cfg.overlap),
                 config=StepConfig(schedule="retain", partitioner_budget=partitioner_budget,
                                   sample_output=0, sample_arg="prev_sample",
-                                  zero_grads=ddp, defer_reductions=self.sharding is not None))
+                                  zero_grads=ddp, defer_reductions=self.sharding is not None,
+                                  fallback="recompute" if self.sharding is None else "raise"))
         return self._steps[key]
 
     def _grad_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for n, p in self.policy.named_parameters()
-                   if p.requires_grad)
+        """Bytes of one full gradient of the trainable parameters (under ``fsdp`` too:
+        Reweight's per-sample buffers hold unreduced full-size gradients)."""
+        shapes = self._full_shapes()
+        return sum(shapes[n].numel() * p.element_size()
+                   for n, p in self.policy.named_parameters() if p.requires_grad)
 
     def _versions(self) -> dict[str, int]:
         return {n: p._version for n, p in self.policy.named_parameters() if p.requires_grad}
@@ -540,23 +564,64 @@ class GRPOTrainer:
                 reason = (f"{agreed}: another rank's rows do not fit {schedule} (this rank: "
                           f"{reason})")
                 schedule, partitioner_budget = agreed, None
+            # And the same graphs: Retain's partitioner budget changes what the backward
+            # recomputes (under fsdp, which gathers it runs), so the smallest budget any
+            # rank needs (budgets are tried largest first).
+            budgets = (None,) + tuple(cfg.partitioner_budgets)
+            index = int(par.all_max(budgets.index(partitioner_budget)))
+            if schedule == "retain" and budgets[index] != partitioner_budget:
+                reason += (f"; partitioner budget {budgets[index]}, which another rank's rows "
+                           "need")
+                partitioner_budget = budgets[index]
+        padding = None
         if self.sharding is not None:
-            self._check_fsdp_calls(keys, example, mask, local, units, chunk_steps,
-                                   schedule)
+            padding = self._fsdp_padding(layout, num_prompts=num_prompts, seed=seed,
+                                         mask=mask, schedule=schedule)
+            self._check_fsdp_calls(keys, example, padding, chunk_steps, schedule)
         return _Setup(keys=keys, num_prompts=num_prompts, batch=batch, cond=cond,
                       cond_list=cond_list, selected=selected, latents0=latents0, noise=noise,
                       chunk_steps=chunk_steps, mask=mask,
                       lean=self.lean_step(keys, partitioner_budget), schedule=schedule,
                       reason=reason, plans=plans, partitioner_budget=partitioner_budget,
                       budget_bytes=budget_bytes, seed=seed, layout=layout, local=local,
-                      owned=owned, units=units)
+                      owned=owned, units=units, padding=padding)
 
-    def _check_fsdp_calls(self, keys, example, mask, local, units, chunk_steps,
-                          schedule: str) -> None:
+    def _fsdp_padding(self, layout: str, *, num_prompts: int, seed: int, mask, schedule: str):
         """``parallel="fsdp"`` gathers the parameters inside every step call and
-        reduce-scatters their gradients inside every backward graph, so every rank must make
-        the same calls in the same order (and the graphs must gather in one order): compared
-        across the ranks before the rollout, with what to change when they differ."""
+        reduce-scatters their gradients inside every backward, so every rank must call the
+        step as often, in the same order. Rows are spread unevenly (a rank without rows, a
+        worker group with fewer prompts, DanceGRPO's per-sample trained steps), so the ranks
+        agree on the union of their calls, which every rank computes alike from the layout
+        and the mask: per unit index and denoising step, an untrained call when any rank has
+        an untrained row there, a trained call when any rank has a trained row (Recompute:
+        one call when any rank has rows). A rank without rows for a call makes it on a
+        stand-in row (``PendingUpdate._stand_in``) whose loss is multiplied by zero: its
+        gradient adds exactly nothing."""
+        cfg, par = self.config, self.parallel
+        per_group = schedule == "reweight" and not cfg.global_std and layout != "scattered"
+        if per_group:
+            every = [assign(layout, num_prompts=num_prompts, group_size=cfg.group_size,
+                            world_size=par.world_size, rank=r, seed=seed)
+                     for r in range(par.world_size)]
+            units = [sorted(row for us in every if u < len(us) for row in us[u].rows)
+                     for u in range(max(len(us) for us in every))]
+        else:
+            units = [list(range(mask.shape[0]))]
+        padding = []
+        for rows in units:
+            m = mask[rows]
+            if schedule == "recompute":
+                padding.append([(bool(rows), False)] * m.shape[1])
+            else:
+                padding.append([(bool((~m[:, k]).any()), bool(m[:, k].any()))
+                                for k in range(m.shape[1])])
+        return padding
+
+    def _check_fsdp_calls(self, keys, example, padding, chunk_steps, schedule: str) -> None:
+        """The step's forward and inference graphs must gather the parameters in one order
+        (a rank's untrained call pairs with another's trained one), and the ranks' padded
+        calls must agree (they do by construction; compared across the ranks all the same,
+        before the rollout, as a cheap guard against a rank drawing something else)."""
         graph = self._graphs(self.lean_step(keys), example)
         orders = {name: _gather_order(gm) for name, gm in (("forward", graph.forward),
                                                            ("inference", graph.inference))
@@ -566,33 +631,13 @@ class GRPOTrainer:
                 "parallel='fsdp': the step's forward and inference graphs gather the "
                 f"parameters in different orders ({orders}); ranks that run different graphs "
                 "at one step would pair the wrong all-gathers. Use parallel='ddp'")
-        cfg = self.config
-        per_group = schedule == "reweight" and not cfg.global_std and cfg.layout != "scattered"
-        groups = [list(u.rows) for u in units] if per_group else [local.tolist()]
-        split = schedule != "recompute"
-        calls = []
-        for rows in groups:
-            if not rows:
-                calls.append("-")
-                continue
-            m = mask[rows]
-            for k in range(m.shape[1]):
-                sel = m[:, k]
-                calls.append(f"{k}:{int(bool((~sel).any()))}{int(bool(sel.any()))}" if split
-                             else f"{k}")
-                if schedule != "reweight" and sel.any():
-                    calls.append(f"u{k}")  # the update's backward (and recompute's forward)
-        for c, steps in enumerate(chunk_steps[1:], start=1):  # later chunks: recomputed
-            if local.numel():
-                calls += [f"c{c}u{k}" for k in sorted(set(steps[local].flatten().tolist()))]
+        calls = " | ".join("".join(f"{int(a)}{int(b)}" for a, b in unit) for unit in padding)
+        later = [sorted(set(steps.flatten().tolist())) for steps in chunk_steps[1:]]
         self.parallel.check_same(
-            "the step calls under parallel='fsdp'", f"{schedule} {' '.join(calls)}",
+            "the step calls under parallel='fsdp'", f"{schedule} {calls} {later}",
             fix="parallel='fsdp' runs the parameter all-gathers inside every step call and the "
-                "gradient reduce-scatters inside every backward, so every rank must call the "
-                "step at the same denoising steps, with and without training: give every rank "
-                "rows of every prompt group (layout='shared' with group_size a multiple of the "
-                "world size) and train the same steps for every sample (not per-sample "
-                "'dance_grpo' subsets), or use parallel='ddp'")
+                "gradient reduce-scatters inside every backward, so every rank must draw the "
+                "same batch: pass the same conditions and generator seed on every rank")
 
     def explain_schedules(self, conditions, generator=None, *, schedule=None) -> ScheduleReport:
         """What ``leancompile.explain(trainer, conditions)`` returns: ``explain``."""
@@ -631,6 +676,12 @@ class GRPOTrainer:
         between (an optimizer step) is detected and that update is recomputed.
         ``chunks > 1`` splits each sample's selected steps into that many chunks; only the first
         goes through the schedule (``pending.update(chunk=c)`` recomputes chunk ``c``)."""
+        with self.parallel.graph_collectives():
+            return self._rollout(conditions, generator, chunks=chunks, schedule=schedule)
+
+    def _rollout(self, conditions: Mapping[str, torch.Tensor], generator=None, *,
+                 chunks: int = 1, schedule: str | None = None) -> "PendingUpdate":
+        """``rollout`` (its collectives' failures made ``PeerFailureError``)."""
         cfg = self.config
         start = time.perf_counter()  # planning counts: a user's step pays for it
         st = self._setup(conditions, generator, schedule=schedule, chunks=chunks)
@@ -653,11 +704,13 @@ class GRPOTrainer:
             Unit(prompts=tuple(range(st.num_prompts)), rows=tuple(st.local.tolist()),
                  ranks=tuple(range(par.world_size)))]
         pending.stash_grads()
-        for unit in units:
+        for u, unit in enumerate(units):
             rows = torch.tensor(unit.rows, dtype=torch.long)
-            if rows.numel():
-                traj, lps = pending.sample(rows)
+            padding = None if st.padding is None else st.padding[u]
+            if rows.numel() or padding is not None:
+                traj, lps = pending.sample(rows, padding)
                 trajectory[rows], log_probs[rows] = traj, lps
+            if rows.numel():
                 group_cond = {k: v[rows] for k, v in st.cond.items()}
                 rewards[rows] = check_rewards(self.reward_fn(traj[:, -1], group_cond),
                                               rows.numel())
@@ -669,11 +722,14 @@ class GRPOTrainer:
                                                      adv_config)
                 if rows.numel():
                     pending.train(rows, advantages, trajectory, log_probs, chunk=0)
+        for padding in ([] if st.padding is None else st.padding[len(units):]):
+            # fsdp: another rank has more prompt groups; this one makes their calls too.
+            pending.sample(torch.zeros(0, dtype=torch.long), padding)
         if not per_group:
             rewards = par.gather_rows(rewards, st.owned)
             advantages = group_advantages(rewards, group_ids, adv_config)
         else:
-            pending.rollout_grads = pending.collect()
+            pending.rollout_grads = pending.collect(deferred=True)
             pending._rollout_sync = pending.sync
             # Every rank's record holds every row's reward and advantage.
             rewards = par.gather_rows(rewards, st.owned)
@@ -726,7 +782,8 @@ class GRPOTrainer:
         """Save parameters (trainable ones; peft adapters also in peft's format), optimizer
         state, random states, step count and config as ``run_dir/step_K``, atomically, and point
         ``run_dir/latest`` at it (``leancompile.grpo.checkpoint``). Collective when data
-        parallel (rank 0 writes)."""
+        parallel: under ``ddp`` rank 0 writes; under ``fsdp`` every rank writes its parameter
+        parts and optimizer state into one folder all ranks must see, and rank 0 the rest."""
         from .checkpoint import save
 
         return save(self, run_dir)
@@ -809,6 +866,9 @@ class PendingUpdate:
         self._rollout_sync = (0, 0)
         self._retained = self._buffered = 0
         self._ratio_error: float | None = None
+        self._backwards_counted = 0
+        self._stand_in_row = None
+        self._stand_in_kept: dict = {}
 
     # -- gradients live in .grad while the trainer computes them ------------------------------
     def stash_grads(self) -> None:
@@ -817,9 +877,11 @@ class PendingUpdate:
         for p in self.trainer.policy.parameters():
             p.grad = None
 
-    def collect(self) -> dict[str, torch.Tensor]:
+    def collect(self, *, deferred: bool = False) -> dict[str, torch.Tensor]:
         """The trainable parameters' ``.grad`` (taken out), summed over the ranks when data
-        parallel: the update's one gradient reduction."""
+        parallel: the update's one gradient reduction. ``deferred``: the update ran
+        Reweight's path, whose gradients wait in the step for one reduce-scatter under fsdp
+        (the same on every rank: it decides whether this rank joins that collective)."""
         params = dict(self.trainer.policy.named_parameters())
         grads = {}
         for name in self.trainer.trainable:
@@ -828,17 +890,29 @@ class PendingUpdate:
             p.grad = None
         self.sync = self.trainer.parallel.sync_gradients(grads)
         if self.trainer.sharding is not None:
-            self.sync = self._fsdp_reductions(grads)
+            self.sync = self._fsdp_reductions(grads, deferred=deferred)
         return grads
 
-    def _fsdp_reductions(self, grads: dict[str, torch.Tensor]) -> tuple[int, int]:
+    def _fsdp_reductions(self, grads: dict[str, torch.Tensor], *,
+                         deferred: bool) -> tuple[int, int]:
         """``parallel="fsdp"``: Reweight's held-back full gradients reduce-scattered with one
         collective and added to ``grads``; returns (collectives, bytes) of this update's
-        gradient reductions, the backward graphs' own reduce-scatters included."""
-        par, lean = self.trainer.parallel, self.setup.lean
+        gradient reductions, the backward graphs' own reduce-scatters included. Every rank
+        passes every sharded parameter in the trainer's order (zeros for those this rank
+        has no gradient of, e.g. no rows), so the ranks' flat buffers line up."""
+        trainer = self.trainer
+        par, lean, sharding = trainer.parallel, self.setup.lean, trainer.sharding
         count, nbytes = par.sync_collectives, par.sync_bytes
-        names = {id(p): n for n, p in self.trainer.policy.named_parameters()}
-        held = {names[id(p)]: g for p, g in lean.take_deferred_grads()}
+        names = {id(p): n for n, p in trainer.policy.named_parameters()}
+        taken = {names[id(p)]: g for p, g in lean.take_deferred_grads()}
+        if not deferred and taken:
+            raise RuntimeError(f"gradients of {sorted(taken)[:4]} were held back for a "
+                               "reduction outside Reweight's path (a bug in the trainer)")
+        params = dict(trainer.policy.named_parameters())
+        held = {} if not deferred else {
+            n: taken[n] if n in taken else params[n].new_zeros(
+                (sharding.rows[n] * par.world_size,) + tuple(sharding.shapes[n][1:]))
+            for n in trainer.trainable if n in sharding.shapes}
         for name, part in par.reduce_scatter_grads(held).items():
             grads[name] += part
         in_graph, in_graph_bytes = self._in_graph_reductions()
@@ -847,7 +921,8 @@ class PendingUpdate:
 
     def _in_graph_reductions(self) -> tuple[int, int]:
         """``parallel="fsdp"``: the gradient reduce-scatters the step's backward graphs ran
-        since the rollout began (each update call runs one backward), and their bytes."""
+        since the last count (the rollout's start, or the previous chunk's update; each update
+        call runs one backward), and their bytes."""
         lean = self.setup.lean
         count = nbytes = 0
         # Counted in the backward as AOTAutograd made it: FlashOverlap may have turned a
@@ -858,7 +933,8 @@ class PendingUpdate:
                 val = node.args[0].meta.get("val")
                 count += 1
                 nbytes += val.numel() * val.element_size() if val is not None else 0
-        calls = lean.stats.backward_graphs_run
+        calls = lean.stats.backward_graphs_run - self._backwards_counted
+        self._backwards_counted = lean.stats.backward_graphs_run
         return count * calls, nbytes * calls
 
     def restore_grads(self) -> None:
@@ -866,9 +942,51 @@ class PendingUpdate:
             p.grad = self._stash.get(name)
 
     # -- rollout and update loops ------------------------------------------------------------
-    def sample(self, rows: torch.Tensor):
+    def _stand_in(self):
+        """``parallel="fsdp"``'s stand-in row (``GRPOTrainer._fsdp_padding``): latents and
+        SDE noise from a generator of its own (the global random state is not touched) and
+        the batch's first conditions; its calls' values are finite and never used."""
+        if self._stand_in_row is None:
+            st = self.setup
+            g = torch.Generator().manual_seed(0)
+            shape = (1,) + tuple(st.latents0.shape[1:])
+            x = torch.randn(shape, generator=g).to(st.latents0)
+            noise = torch.randn((st.noise.shape[0],) + shape, generator=g).to(st.noise)
+            self._stand_in_row = (x, [c[:1] for c in st.cond_list], noise)
+        return self._stand_in_row
+
+    def _stand_in_call(self, k: int, trained: bool):
+        """One padding call of the rollout at step ``k`` (under ``rollout()``); Retain's
+        trained ones are kept for the update's padding call (``_stand_in_update``)."""
+        trainer, lean = self.trainer, self.setup.lean
+        x, cond, noise = self._stand_in()
+        args = trainer._call_args(x, k, cond, torch.arange(1))
+        out = lean(*args, noise=noise[k])
+        if trained:
+            self._stand_in_kept[k] = (args, out[0])
+
+    def _stand_in_update(self, k: int) -> None:
+        """The update's padding call at step ``k`` (under ``update()``): the kept stand-in
+        call reused (Retain) or recomputed, its loss times zero, backpropagated (the backward
+        graph's reduce-scatters run with a zero contribution from this rank)."""
+        trainer, lean = self.trainer, self.setup.lean
+        if k in self._stand_in_kept:
+            args, prev = self._stand_in_kept[k]
+        else:
+            x, cond, _ = self._stand_in()
+            args, prev = trainer._call_args(x, k, cond, torch.arange(1)), x
+        out = lean(*args, prev_sample=prev)
+        loss = out[1].sum() * 0.0
+        if trainer.config.beta > 0:
+            loss = loss + out[2].sum() * 0.0
+        loss.backward()
+
+    def sample(self, rows: torch.Tensor, padding: list | None = None):
         """Denoise the samples ``rows`` through all steps under ``rollout()``: calls of the
-        selected rows are trained (named by their sample), the others are not."""
+        selected rows are trained (named by their sample), the others are not. ``padding``
+        (fsdp): per step, the (untrained, trained) calls every rank makes; those this rank
+        has no rows for are made on the stand-in row (untrained under Reweight, whose
+        trained calls gather as untrained ones do and reduce nothing)."""
         st, trainer = self.setup, self.trainer
         lean = st.lean
         num_steps = st.noise.shape[0]
@@ -886,6 +1004,11 @@ class PendingUpdate:
                     [torch.arange(rows.numel())]
                 for local, trained in zip(parts, (False, True)):
                     if local.numel() == 0:
+                        if padding is not None and padding[k][int(trained)]:
+                            kept = trained and st.schedule == "retain"
+                            flags.append(kept)
+                            samples.append(torch.tensor([st.batch]))  # no sample of the batch
+                            self._stand_in_call(k, kept)
                         continue
                     trained = trained and split
                     args = trainer._call_args(x, k, [c[rows] for c in st.cond_list], local)
@@ -916,10 +1039,16 @@ class PendingUpdate:
         mask = torch.zeros(st.batch, st.noise.shape[0], dtype=torch.bool)
         mask.scatter_(1, steps, True)
         norm = float(st.batch * steps.shape[1])
+        # fsdp: a step some rank trains runs a backward (reduce-scatters) on every rank,
+        # except on Reweight's path, whose update calls run no collective.
+        pad = st.padding is not None and not (self.schedule == "reweight" and chunk == 0
+                                              and on_policy)
         with lean.update():
             for k in range(st.noise.shape[0]):
                 local = mask[rows, k].nonzero().flatten()
                 if local.numel() == 0:
+                    if pad and bool(mask[:, k].any()):
+                        self._stand_in_update(k)
                     continue
                 glob = rows[local]
                 args = trainer._call_args(trajectory[rows, k], k,
@@ -947,6 +1076,10 @@ class PendingUpdate:
     def update(self, chunk: int = 0) -> GradResult:
         """Gradients of chunk ``chunk`` of the selected steps (0: the schedule's; later
         chunks and any update after a parameter change: recomputed)."""
+        with self.trainer.parallel.graph_collectives():
+            return self._update(chunk)
+
+    def _update(self, chunk: int) -> GradResult:
         if chunk in self._done:
             raise ValueError(f"chunk {chunk} of this rollout was already updated")
         if not 0 <= chunk < len(self.chunk_steps):
@@ -974,7 +1107,8 @@ class PendingUpdate:
                     self._ratio_error = None
                 self.train(rows, record.advantages, record.latents, record.log_probs,
                            chunk=chunk, on_policy=chunk == 0 and not stale)
-                grads = self.collect()
+                grads = self.collect(deferred=self.schedule == "reweight" and chunk == 0
+                                     and not stale)
         finally:
             self.restore_grads()
         reused = lean.stats.reused_calls > before or (
