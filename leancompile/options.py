@@ -53,6 +53,11 @@ class CompileOptions:
     propagates the exception (for debugging; the test suite sets ``LEANCOMPILE_ON_ERROR=raise``,
     which has the same effect)."""
 
+    strict: bool = False
+    """With ``overlap=``: a collective the overlap pass left in the graph (skipped, or of a kind
+    it does not rewrite) raises ``UnrewrittenCollectiveError`` listing every such site and its
+    reason, instead of compiling the graph with that communication exposed."""
+
     schedule: str | None = None
     """LeanGRPO schedule of a step wrapped by ``lean_compile(fn, schedule=...)``: ``auto``,
     ``retain``, ``reweight`` or ``recompute`` (see ``leancompile.step``); turns on the
@@ -94,6 +99,12 @@ class CompileOptions:
         if self.on_error not in _ON_ERROR_VALUES:
             raise ValueError(f"on_error={self.on_error!r} is not supported; use one of "
                              f"{_ON_ERROR_VALUES}")
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"strict={self.strict!r} must be True or False")
+        if self.strict and self.overlap is None:
+            raise ValueError("strict=True checks that the overlap pass rewrote every "
+                             "collective; without overlap= nothing is rewritten: pass "
+                             "overlap='flash' (or 'slice'), or drop strict")
         if self.schedule not in _SCHEDULE_VALUES:
             raise ValueError(
                 f"schedule={self.schedule!r} is not supported; use one of {_SCHEDULE_VALUES}")
@@ -127,4 +138,4 @@ class CompileOptions:
         return {"compiler": self.compiler, "disable": sorted(self.disable),
                 "overlap": self.overlap, "variant": self.variant,
                 "chunks_per_rank": self.chunks_per_rank, "chunks": self.chunks,
-                "on_error": self.on_error, "schedule": self.schedule}
+                "on_error": self.on_error, "schedule": self.schedule, "strict": self.strict}

@@ -20,7 +20,7 @@ from .options import CompileOptions
 from .passes import PASSES, PassSpec
 from .passes.result import PassResult
 
-__all__ = ["Pipeline", "DEBUG_ENV"]
+__all__ = ["Pipeline", "DEBUG_ENV", "UnrewrittenCollectiveError", "check_all_rewritten"]
 
 log = logging.getLogger("leancompile")
 
@@ -66,7 +66,39 @@ class Pipeline:
                     log.debug("leancompile %s: skipped %s", spec.name, site)
             if dump_dir is not None:
                 (dump_dir / f"{i:02d}_{spec.name}_after.py").write_text(graph_code(gm))
+        if self.options.strict:
+            check_all_rewritten(gm, results, phase=phase)
         return GraphRecord(
             graph_index=graph_index, phase=phase, before_snapshot=before,
             after_snapshot=GraphSnapshot(gm), passes=results, op_counts_before=counts_before,
             op_counts_after=op_counts(gm))
+
+
+class UnrewrittenCollectiveError(RuntimeError):
+    """``strict=True``: the overlap pass left collectives in a graph (each listed with why)."""
+
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
+
+
+def check_all_rewritten(gm: fx.GraphModule, results: list[PassResult], *, phase: str) -> None:
+    """``CompileOptions(strict=True)``: raise ``UnrewrittenCollectiveError`` when ``gm`` still
+    holds a collective after the passes, naming each with the reason its pass gave (or that no
+    pass rewrites that kind of collective)."""
+    reasons = {site.node: f"{result.name}: {site.reason}" for result in results
+               for site in result.skipped}
+    left = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        namespace = getattr(node.target, "namespace", None)
+        if namespace not in _COLLECTIVE_NAMESPACES or "wait_tensor" in str(node.target):
+            continue
+        why = reasons.get(node.name) or (
+            f"no leancompile pass rewrites {getattr(node.target, '__name__', node.target)}")
+        left.append(f"{node.name} ({node.target}): {why}")
+    if left:
+        raise UnrewrittenCollectiveError(
+            f"strict=True: the {phase} graph keeps {len(left)} collective(s) the overlap pass "
+            "did not rewrite, so their communication stays exposed:\n  " + "\n  ".join(left) +
+            "\nFix the reason given for each, or drop strict=True to compile them as they are")

@@ -1,0 +1,99 @@
+"""Full-size graphs without the memory or the GPUs: trace on the meta device under a fake
+process group, then run our passes on the traced post-grad graphs.
+
+``fake_group(world_size)`` is a context in which ``torch.distributed`` has a process group of
+``world_size`` ranks that moves no data (torch's ``"fake"`` backend; this process is rank 0).
+``trace_graphs(fn, *args)`` compiles ``fn`` with a backend that keeps the post-grad forward and
+backward graphs AOTAutograd produces (nothing is compiled further; with meta tensors nothing is
+computed either), and ``rewrite(gm, phase, **options)`` runs leancompile's pipeline on a copy.
+``tp_mlp(...)`` is the tensor + sequence parallel MLP block of the FlashOverlap paper: all-gather
+of the sequence-sharded input, column-parallel matmul, GELU, row-parallel matmul,
+reduce-scatter back to sequence shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+__all__ = ["fake_group", "trace_graphs", "rewrite", "tp_mlp"]
+
+
+@contextlib.contextmanager
+def fake_group(world_size: int):
+    """A fake process group of ``world_size`` ranks for tracing (this process is rank 0);
+    refused when a real one is already initialized (tracing would use it)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialized in this process; trace "
+                           "full-size graphs in a process of their own")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def trace_graphs(fn, *args, backward: bool = True) -> dict[str, fx.GraphModule]:
+    """The post-grad ``"forward"`` (and ``"backward"``) graphs of ``fn(*args)``, as the
+    compiler would receive them (one graph each: a graph break raises)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    graphs: dict[str, list] = {}
+
+    def keep(phase):
+        def compiler(gm, example_inputs):
+            graphs.setdefault(phase, []).append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    if backward:
+        out.sum().backward()
+    torch._dynamo.reset()
+    if any(len(v) != 1 for v in graphs.values()):
+        raise RuntimeError(f"expected one graph per phase, got { {k: len(v) for k, v in graphs.items()} }")
+    return {phase: gms[0] for phase, gms in graphs.items()}
+
+
+def rewrite(gm: fx.GraphModule, phase: str, **options):
+    """(rewritten copy of ``gm``, the pipeline's ``GraphRecord``) under ``CompileOptions``
+    ``options`` (e.g. ``overlap="flash"``)."""
+    from ..options import CompileOptions
+    from ..pipeline import Pipeline
+
+    gm = copy.deepcopy(gm)
+    record = Pipeline(CompileOptions(**options)).run(gm, phase=phase)
+    return gm, record
+
+
+def tp_mlp(tp: int, shape: tuple[int, int, int], *, dtype=torch.bfloat16, hidden: int | None = None,
+           backward: bool = False, group=None) -> dict[str, fx.GraphModule]:
+    """The TP+SP MLP block's graphs for one rank of ``tp``: ``shape`` = (batch, sequence,
+    model dim), hidden = 4 x model dim unless given; inputs on the meta device (call inside
+    ``fake_group(tp)``)."""
+    import torch.distributed._functional_collectives as funcol
+    import torch.nn.functional as F
+
+    b, s, d = shape
+    hidden = 4 * d if hidden is None else hidden
+    if (b * s) % tp or hidden % tp:
+        raise ValueError(f"tokens {b * s} and hidden {hidden} must divide by tp={tp}")
+    group = dist.group.WORLD if group is None else group
+    x = torch.empty(b * s // tp, d, device="meta", dtype=dtype, requires_grad=backward)
+    w1 = torch.empty(d, hidden // tp, device="meta", dtype=dtype, requires_grad=backward)
+    w2 = torch.empty(hidden // tp, d, device="meta", dtype=dtype, requires_grad=backward)
+
+    def block(x, w1, w2):
+        gathered = funcol.all_gather_tensor(x, 0, group)
+        return funcol.reduce_scatter_tensor(F.gelu(gathered @ w1) @ w2, "sum", 0, group)
+
+    return trace_graphs(block, x, w1, w2, backward=backward)

@@ -1,0 +1,330 @@
+"""Run rewritten graphs on a model of a device: a compute stream and a communication stream.
+
+``simulate(graphs, device="h200")`` walks each graph's nodes in program order (the order the
+runtime issues them) and gives every node a start and an end:
+
+- compute kernels (``mm``, ``gelu``, ``cat``, ...) run one after another on the compute
+  stream, each when its inputs are ready: roofline time, the larger of FLOPs over the dtype's
+  peak (matmuls at an efficiency that falls off for small ones) and bytes moved over the memory
+  bandwidth, plus a launch overhead (``DeviceProfile``);
+- views and reshapes cost nothing;
+- collectives (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``,
+  ``all_to_all_single``) and the P2P exchanges of FlashOverlap (``leancompile.p2p_start``) run
+  one after another on the communication stream once their input is ready: ring collectives
+  ``(N - 1)`` hops of the alpha-beta link model, an exchange one hop (a send to one peer and a
+  receive from another at once, both directions of the link);
+- a wait (``wait_tensor``, ``leancompile.p2p_wait``) holds the compute stream until its
+  transfer has ended: the time the compute stream spends there is exposed communication.
+
+Ranks are symmetric (FlashOverlap's schedules are: every rank runs the same steps on other
+slices), so one rank's graph stands for all: the message a rank waits for was sent by its peer
+at the same step it sent its own. Not modelled: communication kernels taking compute units
+from the matmuls (NCCL uses some SMs), contention between concurrent transfers on one link
+beyond running them one after another, and caches.
+
+Before/after (TP=4 all-gather + matmul, one rank; C = compute of one slice, M = one hop)::
+
+    sequential:  comm |==AG (3 hops)==|
+                 comp                 |=mm (4 slices)=|          exposed: 3 M
+    flash:       comm |=hop=|=hop=|=hop=|
+                 comp |=C=|  |=C=|  |=C=| |=C=|                  exposed: max(0, M - C) x 3
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from .devices import DeviceProfile, device_profile
+
+__all__ = ["Span", "Timeline", "simulate", "node_cost"]
+
+aten = torch.ops.aten
+
+_FREE = {
+    "view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "slice", "select",
+    "squeeze", "unsqueeze", "as_strided", "alias", "detach", "split", "split_with_sizes",
+    "unbind", "view_as", "unflatten", "flatten", "narrow", "diagonal", "lift_fresh_copy",
+    "empty", "empty_strided", "empty_like", "sym_size", "sym_numel", "sym_stride",
+}
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "convolution",
+            "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+            "_scaled_dot_product_flash_attention_backward",
+            "_scaled_dot_product_efficient_attention_backward", "convolution_backward"}
+_COLLECTIVES = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
+                "all_to_all_single", "broadcast", "all_gather_into_tensor_coalesced",
+                "reduce_scatter_tensor_coalesced", "all_reduce_coalesced"}
+_WAITS = {"wait_tensor", "p2p_wait"}
+
+
+@dataclass(frozen=True)
+class Span:
+    """One node on one stream."""
+
+    node: str
+    op: str
+    stream: str
+    """``"compute"``, ``"comm"`` or ``"wait"`` (the compute stream held for a transfer)."""
+    start: float
+    end: float
+    flops: float = 0.0
+    bytes: int = 0
+    graph: int = 0
+
+
+@dataclass
+class Timeline:
+    """What ``simulate`` predicts for one rank: seconds and bytes."""
+
+    device: str
+    total_s: float = 0.0
+    compute_s: float = 0.0
+    """Busy time of the compute stream."""
+    comm_s: float = 0.0
+    """Busy time of the communication stream."""
+    exposed_comm_s: float = 0.0
+    """Time the compute stream waited for communication (``total - compute`` when nothing else
+    holds it)."""
+    peak_memory_bytes: int = 0
+    """The largest sum of live tensors (the graphs' inputs included) at any node."""
+    spans: list[Span] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (f"{self.device}: total {self.total_s * 1e3:.3f} ms, compute "
+                f"{self.compute_s * 1e3:.3f} ms, comm {self.comm_s * 1e3:.3f} ms, exposed "
+                f"comm {self.exposed_comm_s * 1e3:.3f} ms, peak memory "
+                f"{self.peak_memory_bytes / 2**20:.1f} MiB")
+
+    def to_chrome_trace(self) -> dict:
+        """Chrome trace / Perfetto JSON: one thread per stream, one event per span."""
+        tids = {"compute": 1, "comm": 2, "wait": 1}
+        events = [{"name": s.op, "cat": s.stream, "ph": "X", "pid": 0, "tid": tids[s.stream],
+                   "ts": s.start * 1e6, "dur": max(s.end - s.start, 0.0) * 1e6,
+                   "args": {"node": s.node, "flops": s.flops, "bytes": s.bytes,
+                            "graph": s.graph}} for s in self.spans]
+        events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t,
+                    "args": {"name": n}} for n, t in (("compute", 1), ("comm", 2))]
+        return {"traceEvents": events, "displayTimeUnit": "ms",
+                "otherData": {"device": self.device, "simulated": True}}
+
+
+def _name(node: fx.Node) -> str:
+    target = node.target
+    if target is operator.getitem:
+        return "getitem"
+    name = getattr(target, "__name__", str(target))
+    packet = getattr(target, "overloadpacket", None)
+    if packet is not None:
+        name = packet.__name__
+    return name.split(".")[0]
+
+
+def _concrete(x) -> int:
+    if isinstance(x, torch.SymInt):
+        return int(x.node.hint) if x.node.hint is not None else 1
+    return int(x)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    out = []
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            out += _tensors(v)
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    n = 1
+    for d in t.shape:
+        n *= _concrete(d)
+    return n * t.element_size()
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else node
+
+
+def _flops(node: fx.Node) -> float:
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return 0.0
+    args = fx.node.map_arg(node.args, _val)
+    kwargs = fx.node.map_arg(node.kwargs, _val)
+    try:
+        return float(_concrete(formula(*args, out_val=node.meta.get("val"), **kwargs)))
+    except Exception:  # noqa: BLE001 - a formula that cannot read these shapes counts 0
+        return 0.0
+
+
+def _group_size(node: fx.Node) -> int:
+    name = _name(node)
+    if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        return int(node.args[-2] if name == "all_gather_into_tensor" else node.args[2])
+    if name == "all_to_all_single" and len(node.args) >= 4:
+        return max(len(node.args[1] or node.args[2] or [1]), 1)
+    return 0
+
+
+def node_cost(node: fx.Node, device: DeviceProfile, *, world_size: int | None = None
+              ) -> tuple[str, float, float, int]:
+    """(stream, seconds, FLOPs, bytes) of one node: ``"free"`` (no time), ``"compute"``,
+    ``"comm"`` or ``"wait"`` (module docstring)."""
+    name = _name(node)
+    if node.op != "call_function" or name in _FREE or name == "getitem" or \
+            name.startswith("sym_") or node.target in (operator.mul, operator.add,
+                                                      operator.floordiv, operator.sub):
+        return "free", 0.0, 0.0, 0
+    if name in _WAITS:
+        return "wait", 0.0, 0.0, 0
+    out = _tensors(node.meta.get("val"))
+    ins = [t for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))]
+    if name == "p2p_start":
+        send = _tensors(_val(node.args[0]))
+        nbytes = sum(map(_nbytes, send))
+        return "comm", device.link_latency + nbytes / device.link_bandwidth, 0.0, nbytes
+    if name == "p2p_probe":
+        return "comm", device.link_latency, 0.0, 0
+    if name in _COLLECTIVES:
+        n = _group_size(node) or world_size or 1
+        in_bytes = sum(map(_nbytes, ins))
+        bw, alpha = device.bus_bandwidth, device.link_latency
+        if name.startswith("all_gather"):
+            t = (n - 1) * (alpha + in_bytes / bw)
+        elif name.startswith("reduce_scatter") or name == "all_to_all_single":
+            t = (n - 1) * (alpha + in_bytes / n / bw)
+        elif name.startswith("all_reduce"):
+            t = 2 * (n - 1) * (alpha + in_bytes / n / bw)
+        else:  # broadcast: pipelined along the ring
+            t = (n - 1) * alpha + in_bytes / bw
+        return "comm", t, 0.0, in_bytes
+    flops = _flops(node)
+    nbytes = sum(map(_nbytes, ins)) + sum(map(_nbytes, out))
+    dtype = out[0].dtype if out else torch.float32
+    peak = device.peak_flops(dtype)
+    if name in _MATMULS and flops > 0:
+        rate = peak * device.matmul_efficiency * flops / (flops + device.half_efficiency_flops)
+    else:
+        rate = peak
+    seconds = max(flops / rate if flops else 0.0, nbytes / device.memory_bandwidth)
+    return "compute", seconds + device.kernel_overhead, flops, nbytes
+
+
+def _graphs(graphs_or_report) -> list[fx.Graph]:
+    from ..report import Report
+
+    if isinstance(graphs_or_report, fx.GraphModule):
+        return [graphs_or_report.graph]
+    if isinstance(graphs_or_report, fx.Graph):
+        return [graphs_or_report]
+    if isinstance(graphs_or_report, Report):
+        out = []
+        for record in graphs_or_report.graphs:
+            graph = getattr(record.after_snapshot, "_graph", None) if hasattr(
+                record, "after_snapshot") else None
+            if graph is None:
+                raise ValueError(
+                    "this report no longer holds its graphs (only their code); simulate the "
+                    "graph modules instead (the compiler's post-pass graphs)")
+            out.append(graph)
+        return out
+    if isinstance(graphs_or_report, Sequence):
+        return [g for item in graphs_or_report for g in _graphs(item)]
+    raise TypeError(f"simulate takes fx graphs, graph modules, a list of them or a Report, "
+                    f"not {type(graphs_or_report).__name__}")
+
+
+def simulate(graphs_or_report, device="h200", *, world_size: int | None = None) -> Timeline:
+    """Predict one rank's step time, exposed communication and peak memory for ``graphs``
+    (run one after another, e.g. forward then backward) on ``device`` (a ``DeviceProfile``,
+    a built-in name or a JSON file). Nodes need ``meta["val"]`` (what AOTAutograd and the
+    passes leave on post-grad graphs). ``world_size``: the group size of collectives whose
+    node does not say it."""
+    profile = device_profile(device)
+    timeline = Timeline(device=profile.name)
+    clock = 0.0
+    for index, graph in enumerate(_graphs(graphs_or_report)):
+        clock = _run(graph, index, profile, timeline, clock, world_size)
+    timeline.total_s = clock
+    timeline.compute_s = sum(s.end - s.start for s in timeline.spans if s.stream == "compute")
+    timeline.comm_s = sum(s.end - s.start for s in timeline.spans if s.stream == "comm")
+    timeline.exposed_comm_s = sum(s.end - s.start for s in timeline.spans if s.stream == "wait")
+    return timeline
+
+
+def _run(graph: fx.Graph, index: int, profile: DeviceProfile, timeline: Timeline,
+         clock: float, world_size) -> float:
+    ready: dict[fx.Node, float] = {}
+    done: dict[fx.Node, float] = {}  # transfers: when their data has arrived
+    compute_free = comm_free = clock
+    nodes = list(graph.nodes)
+    # Memory: a node's output lives from the node until its last reader (views share their
+    # base's memory: they allocate nothing and keep the base alive through their readers).
+    base: dict[fx.Node, fx.Node] = {}
+    last_use: dict[fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        for arg in node.all_input_nodes:
+            last_use[base.get(arg, arg)] = i
+        stream = "free" if node.op != "call_function" else node_cost(
+            node, profile, world_size=world_size)[0]
+        # (a wait returns its collective's buffer)
+        if node.op == "call_function" and stream in ("free", "wait") and \
+                node.all_input_nodes and _name(node) not in ("empty", "empty_strided",
+                                                             "empty_like"):
+            base[node] = base.get(node.all_input_nodes[0], node.all_input_nodes[0])
+    live = 0
+    sizes: dict[fx.Node, int] = {}
+    frees: dict[int, list[fx.Node]] = {}
+    for node, i in last_use.items():
+        frees.setdefault(i, []).append(node)
+    for i, node in enumerate(nodes):
+        if node.op == "output":
+            break
+        deps = [ready.get(a, clock) for a in node.all_input_nodes]
+        start_ready = max(deps, default=clock)
+        if node.op == "placeholder":
+            ready[node] = clock
+        elif node.op == "call_function":
+            stream, seconds, flops, nbytes = node_cost(node, profile, world_size=world_size)
+            label = _name(node)
+            if stream == "free":
+                ready[node] = start_ready
+            elif stream == "compute":
+                start = max(compute_free, start_ready)
+                compute_free = start + seconds
+                ready[node] = compute_free
+                timeline.spans.append(Span(node.name, label, "compute", start, compute_free,
+                                           flops, nbytes, index))
+            elif stream == "comm":
+                start = max(comm_free, start_ready)
+                comm_free = start + seconds
+                ready[node] = done[node] = comm_free
+                timeline.spans.append(Span(node.name, label, "comm", start, comm_free, 0.0,
+                                           nbytes, index))
+            else:  # a wait: the compute stream holds until the transfer has arrived
+                arrived = max((done.get(a, ready.get(a, clock))
+                               for a in node.all_input_nodes[:1]), default=clock)
+                if arrived > compute_free:
+                    timeline.spans.append(Span(node.name, label, "wait", compute_free,
+                                               arrived, 0.0, 0, index))
+                    compute_free = arrived
+                ready[node] = max(compute_free, arrived)
+        else:
+            ready[node] = start_ready
+        if node not in base and node.op in ("placeholder", "call_function"):
+            sizes[node] = sum(map(_nbytes, _tensors(node.meta.get("val"))))
+            live += sizes[node]
+        timeline.peak_memory_bytes = max(timeline.peak_memory_bytes, live)
+        for dead in frees.get(i, []):
+            if dead.op != "placeholder":
+                live -= sizes.pop(dead, 0)
+    return max(compute_free, comm_free)

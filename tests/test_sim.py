@@ -1,0 +1,178 @@
+"""The simulator (``leancompile/sim``): node costs against the roofline and alpha-beta formulas
+computed by hand, the overlap schemes on the FlashOverlap paper's case (TP=4, (32, 4096, 4096),
+forward, H200) traced at full size on the meta device, device profiles, traces and the CLI."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from leancompile.cli import main as cli
+from leancompile.sim import DeviceProfile, device_names, device_profile, node_cost, simulate
+from leancompile.sim.fullscale import fake_group, trace_graphs
+from leancompile.sim.schemes import simulate_schemes
+
+# Round numbers, so that every expected time below is arithmetic.
+TOY = DeviceProfile(name="toy", flops={"float32": 1e12}, memory_bandwidth=1e11,
+                    link_bandwidth=1e10, link_latency=1e-5, memory_bytes=2**34,
+                    kernel_overhead=1e-6, matmul_efficiency=0.5, half_efficiency_flops=1e9)
+
+
+def test_node_costs_are_the_roofline_and_alpha_beta_formulas():
+    def f(x, w):
+        g = funcol.all_gather_tensor(x, 0, "0")
+        return torch.relu(g @ w)
+
+    with fake_group(4):
+        x = torch.empty(256, 512, device="meta")
+        w = torch.empty(512, 1024, device="meta")
+        gm = trace_graphs(f, x, w, backward=False)["forward"]
+        costs = {n.name: node_cost(n, TOY) for n in gm.graph.nodes if n.op == "call_function"}
+        timeline = simulate(gm, TOY)
+    # all-gather of 4 shards of 256 x 512 fp32: 3 ring hops of 512 KiB.
+    shard = 256 * 512 * 4
+    assert costs["all_gather_into_tensor"][:2] == ("comm", pytest.approx(3 * (1e-5 + shard / 1e10)))
+    # mm (1024 x 512) @ (512 x 1024): 2 * 1024 * 512 * 1024 FLOPs at 0.5 * 1e12 * F / (F + 1e9)
+    flops = 2 * 1024 * 512 * 1024
+    stream, seconds, counted, nbytes = costs["mm"]
+    assert (stream, counted) == ("compute", flops)
+    assert nbytes == (1024 * 512 + 512 * 1024 + 1024 * 1024) * 4
+    rate = 0.5e12 * flops / (flops + 1e9)
+    assert seconds == pytest.approx(max(flops / rate, nbytes / 1e11) + 1e-6)
+    # relu: memory bound, read + write of 4 MiB
+    assert costs["relu"][1] == pytest.approx(2 * 1024 * 1024 * 4 / 1e11 + 1e-6)
+    assert costs["wait_tensor"][0] == "wait"
+    # Sequential: the matmul waits for the whole gather, which is all exposed.
+    gather = costs["all_gather_into_tensor"][1]
+    assert timeline.exposed_comm_s == pytest.approx(gather)
+    assert timeline.total_s == pytest.approx(gather + seconds + costs["relu"][1])
+    assert timeline.compute_s == pytest.approx(seconds + costs["relu"][1])
+    # Peak at the relu: the inputs (x, w), the mm output and the relu output (the gathered x
+    # was last read by the mm).
+    live = (256 * 512 + 512 * 1024 + 2 * 1024 * 1024) * 4
+    assert timeline.peak_memory_bytes == live
+
+
+@pytest.fixture(scope="module")
+def paper_case():
+    return simulate_schemes(device="h200", tp=4, shape=(32, 4096, 4096), slices=(2, 4, 8))
+
+
+def test_paper_case_flash_hides_the_communication_and_slicing_leaves_m_over_k(paper_case):
+    schemes = paper_case["schemes"]
+    sequential = schemes["sequential"]["exposed_comm_s"]
+    assert sequential > 0 and schemes["sequential"]["rewritten"] == 0
+    # On H200 a hop (3 x 64 MiB of bf16 over 450 GB/s) is shorter than a slice's matmul.
+    assert schemes["flash"]["exposed_comm_s"] <= 0.01 * sequential
+    assert schemes["flash"]["rewritten"] == 2  # the all-gather and the reduce-scatter
+    for k in (2, 4, 8):
+        exposed = schemes[f"slice_{k}"]["exposed_comm_s"]
+        assert 0.9 * sequential / k <= exposed <= 1.2 * sequential / k, (k, exposed)
+    assert schemes["flash"]["total_s"] < schemes["slice_8"]["total_s"] < \
+        schemes["sequential"]["total_s"]
+    assert schemes["async_tp"]["available"]
+
+
+def test_slow_links_expose_what_compute_cannot_hide_and_async_tp_needs_symmetric_memory():
+    report = simulate_schemes(device="a6000", tp=4, shape=(8, 1024, 1024), slices=(2,))
+    schemes = report["schemes"]
+    assert not schemes["async_tp"]["available"]
+    assert "symmetric memory" in schemes["async_tp"]["reason"]
+    assert 0 < schemes["flash"]["exposed_comm_s"] < schemes["sequential"]["exposed_comm_s"]
+
+
+def test_profiles_load_and_cite_their_numbers(tmp_path):
+    names = device_names()
+    assert {"h200", "h100", "a100", "a6000", "ib-ndr", "ascend-910b"} <= set(names)
+    for name in names:
+        profile = device_profile(name)
+        assert {"flops", "memory_bandwidth", "link_bandwidth"} <= set(profile.sources), name
+    h200 = device_profile("h200")
+    assert h200.peak_flops(torch.bfloat16) == 989.5e12 and h200.symmetric_memory
+    mine = dataclasses.replace(h200, name="mine", link_bandwidth=25e9)
+    path = tmp_path / "mine.json"
+    path.write_text(mine.to_json())
+    assert device_profile(str(path)) == mine
+    path.write_text(json.dumps({**json.loads(mine.to_json()), "nvlink": 1}))
+    with pytest.raises(ValueError, match=r"unknown device profile field\(s\) \['nvlink'\]"):
+        device_profile(str(path))
+    with pytest.raises(ValueError, match="not a built-in profile"):
+        device_profile("tpu-v9")
+    with pytest.raises(ValueError, match="memory_bandwidth=0"):
+        dataclasses.replace(h200, memory_bandwidth=0)
+
+
+def test_chrome_trace_of_a_timeline(tmp_path):
+    with fake_group(2):
+        gm = trace_graphs(lambda x: funcol.all_gather_tensor(x, 0, "0") * 2,
+                          torch.empty(8, 8, device="meta"), backward=False)["forward"]
+        trace = simulate(gm, "h100").to_chrome_trace()
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["cat"] for e in spans} == {"compute", "comm", "wait"}
+    assert all(e["dur"] >= 0 and "node" in e["args"] for e in spans)
+
+
+def test_bench_overlap_simulate_cli_json(capsys):
+    assert cli(["bench", "overlap", "--simulate", "--device", "h200", "--tp", "2",
+                "--shape", "2,256,256", "--slices", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["schemes"]) == {"sequential", "slice_2", "async_tp", "flash", "direct"}
+    for entry in report["schemes"].values():
+        assert {"total_s", "compute_s", "exposed_comm_s"} <= set(entry)
+
+
+# ----------------------------------------------------------------------------------------------
+# Strict mode
+
+
+def _mlp_block(group):
+    def block(x, w1, w2):
+        g = funcol.all_gather_tensor(x, 0, group)
+        return funcol.reduce_scatter_tensor(torch.relu(g @ w1) @ w2, "sum", 0, group)
+    return block
+
+
+def test_strict_passes_a_fully_rewritten_graph_and_names_every_collective_left():
+    import leancompile
+    from leancompile.sim.fullscale import rewrite
+
+    def leftovers(x, w):
+        g = funcol.all_gather_tensor(x, 0, "0")          # read by a relu, no matmul
+        s = funcol.all_reduce(x @ w, "sum", "0")          # no pass rewrites all-reduces
+        return torch.relu(g).sum() + s.sum()
+
+    with fake_group(4):
+        graphs = trace_graphs(_mlp_block("0"), torch.empty(16, 8, device="meta"),
+                              torch.empty(8, 16, device="meta"),
+                              torch.empty(16, 8, device="meta"), backward=False)
+        gm, record = rewrite(graphs["forward"], "forward", overlap="flash", strict=True)
+        assert not any("_c10d_functional" in str(n.target) for n in gm.graph.nodes)
+        bad = trace_graphs(leftovers, torch.empty(16, 8, device="meta"),
+                           torch.empty(8, 8, device="meta"), backward=False)["forward"]
+        rewrite(bad, "forward", overlap="flash")  # without strict: compiled as it is
+        with pytest.raises(leancompile.UnrewrittenCollectiveError) as info:
+            rewrite(bad, "forward", overlap="flash", strict=True)
+    message = str(info.value)
+    assert "keeps 2 collective(s)" in message
+    assert "all_gather_into_tensor" in message and "flash_overlap: " in message
+    assert "all_reduce.default is not an all-gather or a reduce-scatter" in message
+    with pytest.raises(ValueError, match="strict=True checks that the overlap pass"):
+        leancompile.CompileOptions(strict=True)
+
+
+def test_strict_error_reaches_the_torch_compile_caller():
+    import leancompile
+
+    def leftovers(x):
+        return funcol.all_reduce(x, "sum", "0") + 1
+
+    with fake_group(2):
+        compiled = torch.compile(leftovers, backend=leancompile.backend(
+            compiler="aot_eager", overlap="flash", strict=True))
+        with pytest.raises(Exception, match="(?s)UnrewrittenCollectiveError.*all_reduce"):
+            compiled(torch.randn(4, 4))
