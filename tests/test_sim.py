@@ -176,3 +176,18 @@ def test_strict_error_reaches_the_torch_compile_caller():
             compiler="aot_eager", overlap="flash", strict=True))
         with pytest.raises(Exception, match="(?s)UnrewrittenCollectiveError.*all_reduce"):
             compiled(torch.randn(4, 4))
+
+
+def test_validate_calibrates_and_compares_on_two_gloo_ranks():
+    """The ``--validate`` pipeline end to end at a tiny size (its numbers are a benchmark's,
+    printed by ``leancompile bench overlap --validate``, not asserted here)."""
+    from leancompile.benchmarks.overlap_validate import validate
+
+    report = validate((2,), seq=64, dim=16, hidden=32, rounds=1)
+    entry = report[2]
+    assert entry["profile"]["name"] == "cpu-gloo" and entry["profile"]["flops"]["float32"] > 0
+    assert set(entry["schemes"]) == {"sequential", "slice_2", "flash", "direct"}
+    for scheme in entry["schemes"].values():
+        assert scheme["simulated_s"] > 0 and scheme["measured_s"] > 0
+        assert scheme["error"] == pytest.approx(
+            abs(scheme["simulated_s"] - scheme["measured_s"]) / scheme["measured_s"])

@@ -65,6 +65,10 @@ class DeviceProfile:
     """Fraction of the peak a large matmul reaches."""
     half_efficiency_flops: float = 2e9
     """Matmul size (FLOPs) that reaches half of ``matmul_efficiency``."""
+    comm_compute_overlap: float = 1.0
+    """Fraction of a transfer's time compute can run beside it: 1 where copy engines or the
+    network move the data (GPUs); less on a CPU, where gloo's threads copy on the cores the
+    compute uses (the rest of each transfer holds the compute stream too)."""
     symmetric_memory: bool = False
     """Peers can read each other's memory (NVLink within one host): async-TP can run."""
     sources: dict[str, str] = field(default_factory=dict)
@@ -81,6 +85,9 @@ class DeviceProfile:
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"{self.name}: matmul_efficiency={self.matmul_efficiency} must "
                              "be in (0, 1]")
+        if not 0 <= self.comm_compute_overlap <= 1:
+            raise ValueError(f"{self.name}: comm_compute_overlap={self.comm_compute_overlap} "
+                             "must be in [0, 1]")
         if self.link_latency < 0 or self.kernel_overhead < 0:
             raise ValueError(f"{self.name}: latencies must be >= 0")
 

@@ -39,9 +39,10 @@ def fake_group(world_size: int):
         dist.destroy_process_group()
 
 
-def trace_graphs(fn, *args, backward: bool = True) -> dict[str, fx.GraphModule]:
+def trace_graphs(fn, *args, backward: bool = True, loss=None) -> dict[str, fx.GraphModule]:
     """The post-grad ``"forward"`` (and ``"backward"``) graphs of ``fn(*args)``, as the
-    compiler would receive them (one graph each: a graph break raises)."""
+    compiler would receive them (one graph each: a graph break raises). ``loss``: what is
+    backpropagated from the output (default ``out.sum()``)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -57,7 +58,7 @@ def trace_graphs(fn, *args, backward: bool = True) -> dict[str, fx.GraphModule]:
     backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
     out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
     if backward:
-        out.sum().backward()
+        (out.sum() if loss is None else loss(out)).backward()
     torch._dynamo.reset()
     if any(len(v) != 1 for v in graphs.values()):
         raise RuntimeError(f"expected one graph per phase, got { {k: len(v) for k, v in graphs.items()} }")

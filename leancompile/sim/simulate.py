@@ -219,6 +219,16 @@ def node_cost(node: fx.Node, device: DeviceProfile, *, world_size: int | None = 
     return "compute", seconds + device.kernel_overhead, flops, nbytes
 
 
+def _pure(node: fx.Node) -> bool:
+    """No side effect: a node nothing reads can be dropped (collectives and P2P ops stay)."""
+    name = _name(node)
+    if name in _COLLECTIVES or name in _WAITS or name.startswith("p2p_") or \
+            name.endswith("_") or name in ("copy_", "resize_"):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return schema is None or not schema.is_mutable
+
+
 def _graphs(graphs_or_report) -> list[fx.Graph]:
     from ..report import Report
 
@@ -293,6 +303,8 @@ def _run(graph: fx.Graph, index: int, profile: DeviceProfile, timeline: Timeline
         start_ready = max(deps, default=clock)
         if node.op == "placeholder":
             ready[node] = clock
+        elif node.op == "call_function" and not node.users and _pure(node):
+            ready[node] = start_ready  # dead code: the compilers drop it
         elif node.op == "call_function":
             stream, seconds, flops, nbytes = node_cost(node, profile, world_size=world_size)
             label = _name(node)
@@ -310,6 +322,12 @@ def _run(graph: fx.Graph, index: int, profile: DeviceProfile, timeline: Timeline
                 ready[node] = done[node] = comm_free
                 timeline.spans.append(Span(node.name, label, "comm", start, comm_free, 0.0,
                                            nbytes, index))
+                shared = (1 - profile.comm_compute_overlap) * seconds
+                if shared > 0:  # the transfer's share of the cores the compute runs on
+                    held = max(compute_free, start)
+                    timeline.spans.append(Span(node.name, f"{label} (on the compute cores)",
+                                               "wait", held, held + shared, 0.0, 0, index))
+                    compute_free = held + shared
             else:  # a wait: the compute stream holds until the transfer has arrived
                 arrived = max((done.get(a, ready.get(a, clock))
                                for a in node.all_input_nodes[:1]), default=clock)
