@@ -95,6 +95,12 @@ def _cmd_bench(ns) -> int:
     return bench_main(ns.rest)
 
 
+def _cmd_plan(ns) -> int:
+    from .sim.plan import main as plan_main
+
+    return plan_main(ns.rest)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="leancompile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +132,13 @@ def main(argv=None) -> int:
                        "public entry point and the errors they raise", add_help=False)
     c.add_argument("rest", nargs=argparse.REMAINDER)
     c.set_defaults(func=_cmd_check_inputs)
+
+    pl = sub.add_parser("plan", help="predict step time and memory of the LeanGRPO schedules "
+                        "for a real model on a device profile (leancompile plan grpo --help)",
+                        add_help=False)
+    pl.add_argument("name", choices=("grpo",))
+    pl.add_argument("rest", nargs=argparse.REMAINDER)
+    pl.set_defaults(func=_cmd_plan)
 
     ns = parser.parse_args(argv)
     return ns.func(ns)

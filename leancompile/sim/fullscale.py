@@ -39,10 +39,12 @@ def fake_group(world_size: int):
         dist.destroy_process_group()
 
 
-def trace_graphs(fn, *args, backward: bool = True, loss=None) -> dict[str, fx.GraphModule]:
+def trace_graphs(fn, *args, backward: bool = True, loss=None,
+                 inference: bool = False) -> dict[str, fx.GraphModule]:
     """The post-grad ``"forward"`` (and ``"backward"``) graphs of ``fn(*args)``, as the
     compiler would receive them (one graph each: a graph break raises). ``loss``: what is
-    backpropagated from the output (default ``out.sum()``)."""
+    backpropagated from the output (default ``out.sum()``). ``inference``: run under
+    ``torch.no_grad()`` and return the inference graph as ``"forward"``."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -56,8 +58,9 @@ def trace_graphs(fn, *args, backward: bool = True, loss=None) -> dict[str, fx.Gr
 
     torch._dynamo.reset()
     backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
-    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    if backward:
+    with torch.no_grad() if inference else contextlib.nullcontext():
+        out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    if backward and not inference:
         (out.sum() if loss is None else loss(out)).backward()
     torch._dynamo.reset()
     if any(len(v) != 1 for v in graphs.values()):
