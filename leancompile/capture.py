@@ -405,6 +405,17 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
         random_ops = _random_ops(inference)
 
     def compiled(graph, inputs, phase):
+        run = _compiled(graph, inputs, phase)
+        if run is None:
+            return None
+        label = f"leancompile.{phase}_graph"  # a profiler range per graph run (traces)
+
+        def traced(args):
+            with torch.profiler.record_function(label):
+                return run(args)
+        return traced
+
+    def _compiled(graph, inputs, phase):
         if graph is None:
             return None
         if compiler == "aot_eager":

@@ -101,6 +101,12 @@ def _cmd_plan(ns) -> int:
     return plan_main(ns.rest)
 
 
+def _cmd_trace(ns) -> int:
+    from .benchmarks.trace import main as trace_main
+
+    return trace_main([ns.what] + ns.rest)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="leancompile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -139,6 +145,13 @@ def main(argv=None) -> int:
     pl.add_argument("name", choices=("grpo",))
     pl.add_argument("rest", nargs=argparse.REMAINDER)
     pl.set_defaults(func=_cmd_plan)
+
+    tr = sub.add_parser("trace", help="one step as Chrome-trace JSON and a PNG timeline, "
+                        "measured and simulated (leancompile trace overlap|grpo --help)",
+                        add_help=False)
+    tr.add_argument("what", choices=("overlap", "grpo"))
+    tr.add_argument("rest", nargs=argparse.REMAINDER)
+    tr.set_defaults(func=_cmd_trace)
 
     ns = parser.parse_args(argv)
     return ns.func(ns)

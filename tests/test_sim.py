@@ -243,3 +243,26 @@ def test_plan_grpo_cli(capsys):
     assert all(e["fits"] for e in report["schedules"].values())
     assert cli(["plan", "grpo", "--model", "flux-dev", "--resolution", "250"]) == 2
     assert "multiple of 16" in capsys.readouterr().err
+
+
+def test_trace_grpo_writes_chrome_traces_and_a_png(tmp_path, monkeypatch):
+    """``leancompile trace grpo``: the measured step's trace holds the trainer's phases and the
+    step graphs' runs; the simulated one the predicted phases; the PNG is written."""
+    import leancompile.sim.plan as plan
+    from leancompile.benchmarks.trace import trace_grpo
+
+    # The simulated half at a small size (the full 720 px FLUX.1-dev takes ~15 s to trace).
+    real = plan.GRPOPlanConfig
+    monkeypatch.setattr(plan, "GRPOPlanConfig",
+                        lambda **kw: real(**{**kw, "resolution": 256, "steps": 4}))
+    files = trace_grpo(tmp_path, model="flux-dev", device="a6000")
+    measured, simulated, png = files
+    names = {e["name"] for e in json.loads(measured.read_text())["traceEvents"]
+             if e.get("ph") == "X"}
+    assert {"leancompile.rollout", "leancompile.reward", "leancompile.update",
+            "leancompile.sync", "leancompile.optimizer", "leancompile.forward_graph",
+            "leancompile.backward_graph"} <= names
+    events = json.loads(simulated.read_text())["traceEvents"]
+    assert {e["name"] for e in events} >= {"kept forward", "backward"}
+    assert all(e["ph"] == "X" and e["dur"] > 0 for e in events)
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"

@@ -27,6 +27,7 @@ from typing import Callable, Mapping
 
 import torch
 import torch.nn as nn
+from torch.profiler import record_function
 
 from ..capture import RandomOpInGraphError
 from ..options import CompileOptions
@@ -712,8 +713,9 @@ class GRPOTrainer:
                 trajectory[rows], log_probs[rows] = traj, lps
             if rows.numel():
                 group_cond = {k: v[rows] for k, v in st.cond.items()}
-                rewards[rows] = check_rewards(self.reward_fn(traj[:, -1], group_cond),
-                                              rows.numel())
+                with record_function("leancompile.reward"):
+                    scores = self.reward_fn(traj[:, -1], group_cond)
+                rewards[rows] = check_rewards(scores, rows.numel())
             if per_group:
                 group = torch.cat([torch.arange(p * cfg.group_size, (p + 1) * cfg.group_size)
                                    for p in unit.prompts])
@@ -810,6 +812,10 @@ class GRPOTrainer:
         return trainer
 
     def _apply(self, grads: dict[str, torch.Tensor]) -> float:
+        with record_function("leancompile.optimizer"):
+            return self._apply_grads(grads)
+
+    def _apply_grads(self, grads: dict[str, torch.Tensor]) -> float:
         params = dict(self.policy.named_parameters())
         for name, g in grads.items():
             params[name].grad = g.clone()
@@ -888,9 +894,10 @@ class PendingUpdate:
             p = params[name]
             grads[name] = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
             p.grad = None
-        self.sync = self.trainer.parallel.sync_gradients(grads)
-        if self.trainer.sharding is not None:
-            self.sync = self._fsdp_reductions(grads, deferred=deferred)
+        with record_function("leancompile.sync"):
+            self.sync = self.trainer.parallel.sync_gradients(grads)
+            if self.trainer.sharding is not None:
+                self.sync = self._fsdp_reductions(grads, deferred=deferred)
         return grads
 
     def _fsdp_reductions(self, grads: dict[str, torch.Tensor], *,
@@ -996,7 +1003,8 @@ class PendingUpdate:
         flags, samples = [], []
         split = st.schedule != "recompute"
         with lean.rollout(train=lambda i: flags[i], samples=lambda i: samples[i],
-                          schedule=st.schedule, budget_bytes=st.budget_bytes), torch.no_grad():
+                          schedule=st.schedule, budget_bytes=st.budget_bytes), \
+                torch.no_grad(), record_function("leancompile.rollout"):
             for k in range(num_steps):
                 x_next = torch.empty_like(x)
                 sel = st.mask[rows, k]
@@ -1043,7 +1051,7 @@ class PendingUpdate:
         # except on Reweight's path, whose update calls run no collective.
         pad = st.padding is not None and not (self.schedule == "reweight" and chunk == 0
                                               and on_policy)
-        with lean.update():
+        with lean.update(), record_function("leancompile.update"):
             for k in range(st.noise.shape[0]):
                 local = mask[rows, k].nonzero().flatten()
                 if local.numel() == 0:
