@@ -54,15 +54,40 @@ def load_target(target: str, args_name: str = "example_args"):
 def _cmd_explain(ns) -> int:
     from .explain import explain
 
-    fn, args = load_target(ns.target, ns.args)
     options = {"compiler": ns.compiler}
     if ns.disable:
         options["disable"] = tuple(ns.disable)
-    report = explain(fn, *args, **options)
+    if ns.overlap:
+        options["overlap"] = ns.overlap
+    if ns.variant:
+        options["variant"] = ns.variant
+    if ns.fake_world:
+        from .sim.fullscale import fake_group
+
+        with fake_group(ns.fake_world):  # the target's collectives trace, nothing moves
+            fn, args = load_target(ns.target, ns.args)
+            report = explain(fn, *args, **options)
+    else:
+        fn, args = load_target(ns.target, ns.args)
+        report = explain(fn, *args, **options)
+    rows = None
+    if ns.device:
+        from .sim import exposure
+
+        rows = exposure(report, ns.device, world_size=ns.fake_world)
     if ns.json:
-        print(json.dumps(report.to_dict(), indent=2, default=str))
+        data = report.to_dict()
+        if rows is not None:
+            data["predicted_exposure"] = {"device": ns.device, "rows": rows}
+        print(json.dumps(data, indent=2, default=str))
     else:
         print(report)
+        if rows is not None:
+            print(f"\npredicted exposed communication on {ns.device} (leancompile/sim), "
+                  "before -> after the passes:")
+            for row in rows:
+                print(f"  {row['graph']:22s} {row['site']:32s} {row['before_s'] * 1e3:9.3f} ms "
+                      f"-> {row['after_s'] * 1e3:9.3f} ms")
     if ns.out:
         page = report.save(ns.out)
         print(f"wrote graph code and {page}", file=sys.stderr if ns.json else sys.stdout)
@@ -120,6 +145,13 @@ def main(argv=None) -> int:
     p.add_argument("--disable", action="append", default=[], help="pass name to skip")
     p.add_argument("--out", help="folder for the before/after code and report.html")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--overlap", choices=("flash", "slice"), help="turn on an overlap pass")
+    p.add_argument("--variant", choices=("ring", "direct"))
+    p.add_argument("--fake-world", type=int, metavar="N",
+                   help="trace under a fake process group of N ranks (collectives without "
+                        "a real job)")
+    p.add_argument("--device", help="also predict each collective's exposed time before and "
+                   "after the passes on this device profile (leancompile/sim)")
     p.set_defaults(func=_cmd_explain)
 
     d = sub.add_parser("demo", help="run a demo")

@@ -49,8 +49,13 @@ class GraphSnapshot:
     def __str__(self) -> str:
         if self._code is None:
             self._code = _graph_code(self._graph)
-            self._graph = None
         return self._code
+
+    @property
+    def graph(self) -> fx.Graph | None:
+        """The graph itself (None for a snapshot made from code only, e.g. a loaded report):
+        what ``leancompile.sim.exposure`` simulates."""
+        return self._graph
 
 
 def _graph_code(graph: fx.Graph) -> str:

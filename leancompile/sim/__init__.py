@@ -8,7 +8,7 @@ size on the meta device under a fake process group, so that no memory or GPU is 
 """
 
 from .devices import DeviceProfile, device_names, device_profile
-from .simulate import Span, Timeline, node_cost, simulate
+from .simulate import Span, Timeline, exposure, node_cost, simulate
 
-__all__ = ["DeviceProfile", "Span", "Timeline", "device_names", "device_profile", "node_cost",
-           "simulate"]
+__all__ = ["DeviceProfile", "Span", "Timeline", "device_names", "device_profile", "exposure",
+           "node_cost", "simulate"]

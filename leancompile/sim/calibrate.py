@@ -4,8 +4,8 @@ of a gloo process group (each rank with the threads it will run with).
 Measured (ranks in lockstep, each sample long enough that ranks sharing cores share them; the
 median of samples; every number the mean over the ranks):
 
-- matmul rate at two sizes, fitted to ``rate(F) = P * F / (F + H)`` (``flops["float32"] = P``,
-  ``half_efficiency_flops = H``, ``matmul_efficiency = 1``);
+- matmul time at two sizes, fitted to ``t(F) = t0 + F / P`` (``flops["float32"] = P``,
+  ``matmul_overhead = t0``, ``matmul_efficiency = 1``);
 - memory bandwidth: an add of two 8 MiB tensors (three tensors moved; an activation's size);
 - kernel overhead: an add of one-element tensors;
 - the P2P exchange of ``runtime/p2p.py`` (a send to rank r+1 and a receive from r-1 at once) at
@@ -119,7 +119,7 @@ def calibrate_cpu_gloo(*, repeats: int = 5) -> DeviceProfile:
         name="cpu-gloo", flops={"float32": peak}, memory_bandwidth=bandwidth,
         link_bandwidth=1 / per_byte, link_latency=latency,
         collective_bandwidth=1 / gather_per_byte, memory_bytes=_memory_bytes(),
-        kernel_overhead=overhead, matmul_efficiency=1.0, half_efficiency_flops=max(half, 1.0),
+        kernel_overhead=overhead, matmul_efficiency=1.0, matmul_overhead=max(half / peak, 0.0),
         comm_compute_overlap=min(max(overlap, 0.0), 1.0), symmetric_memory=False,
         sources={"flops": f"measured: fp32 matmuls of 128^3 and 768^3 with {threads} "
                           f"thread(s) per rank, {world} ranks on {cpus} CPUs",

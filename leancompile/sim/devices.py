@@ -12,9 +12,8 @@ next to this module (``devices/<name>.json``), each number with its source in th
 What the numbers mean (the simulator's model, ``leancompile/sim/simulate.py``):
 
 - ``flops[dtype]``: dense peak FLOP/s of that dtype (matrix units where the dtype uses them).
-  A matmul of F FLOPs runs at ``peak * matmul_efficiency * F / (F + half_efficiency_flops)``
-  (large matmuls approach ``matmul_efficiency`` of the peak; small ones are launch and
-  tile bound).
+  A matmul of F FLOPs takes ``matmul_overhead + F / (peak * matmul_efficiency)`` (large
+  matmuls approach ``matmul_efficiency`` of the peak; small ones are launch and tile bound).
 - ``memory_bandwidth``: bytes/s of device memory; every kernel moves its inputs and output at
   least once (roofline: a kernel takes the larger of its compute and its memory time, plus
   ``kernel_overhead``).
@@ -63,8 +62,9 @@ class DeviceProfile:
     """Seconds each compute kernel costs beyond its roofline time (launch, tail)."""
     matmul_efficiency: float = 0.75
     """Fraction of the peak a large matmul reaches."""
-    half_efficiency_flops: float = 2e9
-    """Matmul size (FLOPs) that reaches half of ``matmul_efficiency``."""
+    matmul_overhead: float = 5e-6
+    """Seconds a matmul costs beyond ``F / (peak * matmul_efficiency)`` (tiles, launch): what
+    makes small matmuls slow."""
     comm_compute_overlap: float = 1.0
     """Fraction of a transfer's time compute can run beside it: 1 where copy engines or the
     network move the data (GPUs); less on a CPU, where gloo's threads copy on the cores the

@@ -5,8 +5,8 @@ runtime issues them) and gives every node a start and an end:
 
 - compute kernels (``mm``, ``gelu``, ``cat``, ...) run one after another on the compute
   stream, each when its inputs are ready: roofline time, the larger of FLOPs over the dtype's
-  peak (matmuls at an efficiency that falls off for small ones) and bytes moved over the memory
-  bandwidth, plus a launch overhead (``DeviceProfile``);
+  peak (matmuls at ``matmul_efficiency`` of it, plus a fixed ``matmul_overhead``) and bytes
+  moved over the memory bandwidth, plus a launch overhead (``DeviceProfile``);
 - views and reshapes cost nothing;
 - collectives (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``,
   ``all_to_all_single``) and the P2P exchanges of FlashOverlap (``leancompile.p2p_start``) run
@@ -41,7 +41,7 @@ import torch.fx as fx
 
 from .devices import DeviceProfile, device_profile
 
-__all__ = ["Span", "Timeline", "simulate", "node_cost"]
+__all__ = ["Span", "Timeline", "exposure", "exposed_by_site", "node_cost", "simulate"]
 
 aten = torch.ops.aten
 
@@ -212,10 +212,10 @@ def node_cost(node: fx.Node, device: DeviceProfile, *, world_size: int | None = 
     dtype = out[0].dtype if out else torch.float32
     peak = device.peak_flops(dtype)
     if name in _MATMULS and flops > 0:
-        rate = peak * device.matmul_efficiency * flops / (flops + device.half_efficiency_flops)
+        compute = device.matmul_overhead + flops / (peak * device.matmul_efficiency)
     else:
-        rate = peak
-    seconds = max(flops / rate if flops else 0.0, nbytes / device.memory_bandwidth)
+        compute = flops / peak
+    seconds = max(compute, nbytes / device.memory_bandwidth)
     return "compute", seconds + device.kernel_overhead, flops, nbytes
 
 
@@ -239,8 +239,7 @@ def _graphs(graphs_or_report) -> list[fx.Graph]:
     if isinstance(graphs_or_report, Report):
         out = []
         for record in graphs_or_report.graphs:
-            graph = getattr(record.after_snapshot, "_graph", None) if hasattr(
-                record, "after_snapshot") else None
+            graph = record.after_snapshot.graph
             if graph is None:
                 raise ValueError(
                     "this report no longer holds its graphs (only their code); simulate the "
@@ -346,3 +345,53 @@ def _run(graph: fx.Graph, index: int, profile: DeviceProfile, timeline: Timeline
             if dead.op != "placeholder":
                 live -= sizes.pop(dead, 0)
     return max(compute_free, comm_free)
+
+
+def exposed_by_site(timeline: Timeline, graph: fx.Graph) -> dict[str, float]:
+    """Exposed seconds of ``timeline`` (one graph simulated alone) per collective: a wait on a
+    collective counts for that collective's node; the P2P steps FlashOverlap put in its place
+    carry the site they came from (``passes/flash_overlap.py``'s ``SITE_META``)."""
+    from ..passes.flash_overlap import SITE_META
+
+    nodes = {n.name: n for n in graph.nodes}
+    out: dict[str, float] = {}
+    for span in timeline.spans:
+        if span.stream != "wait":
+            continue
+        node = nodes.get(span.node)
+        if node is None:
+            continue
+        site = node.meta.get(SITE_META)
+        if site is None and _name(node) == "wait_tensor" and node.all_input_nodes:
+            source = node.all_input_nodes[0]
+            site = source.meta.get(SITE_META, source.name)
+        if site is None and _name(node) == "p2p_wait" and node.all_input_nodes:
+            site = node.all_input_nodes[0].meta.get(SITE_META)
+        site = site or node.name
+        out[site] = out.get(site, 0.0) + span.end - span.start
+    return out
+
+
+def exposure(report, device="h200", *, world_size: int | None = None) -> list[dict]:
+    """Per graph of a ``Report`` and per collective: the exposed communication predicted on
+    ``device`` before our passes and after them (``{"graph", "site", "before_s", "after_s"}``;
+    one ``"site": "(total)"`` row per graph with the graph's totals)."""
+    profile = device_profile(device)
+    rows = []
+    for record in report.graphs:
+        before, after = record.before_snapshot.graph, record.after_snapshot.graph
+        if before is None or after is None:
+            raise ValueError("this report holds code only (loaded from disk?); explain the "
+                             "function again to simulate its graphs")
+        t_before = Timeline(device=profile.name)
+        t_before.total_s = _run(before, 0, profile, t_before, 0.0, world_size)
+        t_after = Timeline(device=profile.name)
+        t_after.total_s = _run(after, 0, profile, t_after, 0.0, world_size)
+        b, a = exposed_by_site(t_before, before), exposed_by_site(t_after, after)
+        for site in sorted(set(b) | set(a)):
+            rows.append({"graph": record.name, "site": site, "before_s": b.get(site, 0.0),
+                         "after_s": a.get(site, 0.0)})
+        rows.append({"graph": record.name, "site": "(total)",
+                     "before_s": sum(b.values()), "after_s": sum(a.values()),
+                     "total_before_s": t_before.total_s, "total_after_s": t_after.total_s})
+    return rows
