@@ -295,3 +295,13 @@ def test_exposure_per_collective_before_and_after_the_passes():
     assert total["total_after_s"] > total["total_before_s"] - total["before_s"]
     fast = {r["site"]: r for r in exposure(report, "h200") if r["graph"] == "graph0_forward"}
     assert fast["(total)"]["after_s"] <= fast["(total)"]["before_s"]
+
+
+@pytest.mark.parametrize("case, world, shape", [("llama-tp", 4, (1, 2048, 1024)),
+                                                ("fsdp-mlp", 4, (2, 1024, 1024))])
+def test_llama_tp_and_fsdp_blocks_at_size_rewritten_and_simulated(case, world, shape):
+    report = simulate_schemes(device="h200", tp=world, shape=shape, slices=(2,), case=case,
+                              backward=True)
+    schemes = report["schemes"]
+    assert schemes["sequential"]["rewritten"] == 0 and schemes["flash"]["rewritten"] > 0
+    assert schemes["flash"]["exposed_comm_s"] < schemes["sequential"]["exposed_comm_s"]

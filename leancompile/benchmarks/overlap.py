@@ -137,6 +137,10 @@ def main(argv=None) -> int:
     sim.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     sim.add_argument("--backward", action="store_true", help="forward and backward")
     sim.add_argument("--slices", default="2,4,8", help="chunks of the slicing baseline")
+    sim.add_argument("--case", default="mlp", choices=("mlp", "llama-tp", "fsdp-mlp"),
+                     help="mlp: the FlashOverlap paper's TP+SP MLP; llama-tp: a Llama block "
+                          "under TP+SP; fsdp-mlp: an MLP with all-gathered weights (--tp is "
+                          "then the data-parallel world, --shape one rank's batch)")
     sim.add_argument("--validate", action="store_true",
                      help="calibrate cpu-gloo here, then simulated vs measured per scheme on "
                           "2 and 4 gloo ranks")
@@ -198,13 +202,15 @@ def _simulated(ns) -> int:
               file=sys.stderr)
         return 2
     report = simulate_schemes(device=ns.device, tp=ns.tp, shape=shape, dtype=ns.dtype,
-                              backward=ns.backward, slices=slices)
+                              backward=ns.backward, slices=slices, case=ns.case)
     if ns.json:
         print(json.dumps(report, indent=2))
         return 0
     cfg = report["config"]
-    print(f"TP+SP MLP block, simulated on {cfg['device']}: TP={cfg['tp']}, (b, s, d) = "
-          f"{tuple(cfg['shape'])}, hidden 4d, {cfg['dtype']}, {' + '.join(cfg['phases'])}")
+    what = {"mlp": "TP+SP MLP block (hidden 4d)", "llama-tp": "Llama block under TP+SP",
+            "fsdp-mlp": "FSDP-style MLP block (weights all-gathered)"}[cfg["case"]]
+    print(f"{what}, simulated on {cfg['device']}: {cfg['tp']} ranks, (b, s, d) = "
+          f"{tuple(cfg['shape'])}, {cfg['dtype']}, {' + '.join(cfg['phases'])}")
     print(f"{'scheme':12s} {'total ms':>9s} {'compute':>9s} {'comm':>9s} {'exposed':>9s} "
           f"{'ratio':>6s}")
     for name, e in report["schemes"].items():

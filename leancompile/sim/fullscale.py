@@ -101,3 +101,71 @@ def tp_mlp(tp: int, shape: tuple[int, int, int], *, dtype=torch.bfloat16, hidden
         return funcol.reduce_scatter_tensor(F.gelu(gathered @ w1) @ w2, "sum", 0, group)
 
     return trace_graphs(block, x, w1, w2, backward=backward)
+
+
+def fsdp_mlp(world: int, shape: tuple[int, int, int], *, dtype=torch.bfloat16,
+             hidden: int | None = None, backward: bool = False,
+             group=None) -> dict[str, fx.GraphModule]:
+    """An FSDP-style MLP block for one rank of ``world``: the rank's own batch (``shape`` =
+    its batch, sequence, model dim), each weight stored as this rank's dim-0 shard and
+    all-gathered before its matmul (in the backward: the weight gradients reduce-scattered)."""
+    import torch.distributed._functional_collectives as funcol
+    import torch.nn.functional as F
+
+    b, s, d = shape
+    hidden = 4 * d if hidden is None else hidden
+    if hidden % world or d % world:
+        raise ValueError(f"hidden {hidden} and dim {d} must divide by world={world}")
+    group = dist.group.WORLD if group is None else group
+    x = torch.empty(b * s, d, device="meta", dtype=dtype, requires_grad=backward)
+    w1 = torch.empty(hidden // world, d, device="meta", dtype=dtype, requires_grad=backward)
+    w2 = torch.empty(d // world, hidden, device="meta", dtype=dtype, requires_grad=backward)
+
+    def block(x, w1, w2):
+        up = funcol.all_gather_tensor_autograd(w1, 0, group)
+        down = funcol.all_gather_tensor_autograd(w2, 0, group)
+        return F.linear(F.gelu(F.linear(x, up)), down)
+
+    return trace_graphs(block, x, w1, w2, backward=backward)
+
+
+def llama_tp_block(tp: int, shape: tuple[int, int, int], *, heads: int = 32,
+                   dtype=torch.bfloat16, backward: bool = False,
+                   group=None) -> dict[str, fx.GraphModule]:
+    """A Llama-style transformer block under tensor + sequence parallelism (Megatron-style,
+    as torchtitan's TP plan lays it out): the sequence-sharded input is all-gathered before the
+    column-parallel QKV and gate/up projections, the row-parallel output and down projections
+    are reduce-scattered back to sequence shards; attention (SDPA, causal) and SwiGLU run on
+    this rank's heads and hidden columns. ``shape`` = (batch, sequence, model dim), hidden =
+    8/3 x dim rounded to a multiple of 256 (Llama 3)."""
+    import torch.distributed._functional_collectives as funcol
+    import torch.nn.functional as F
+
+    b, s, d = shape
+    hidden = 256 * ((8 * d // 3 + 255) // 256)
+    if heads % tp or hidden % tp or (b * s) % tp:
+        raise ValueError(f"heads {heads}, hidden {hidden} and tokens {b * s} must divide by "
+                         f"tp={tp}")
+    group = dist.group.WORLD if group is None else group
+    hd, local_heads = d // heads, heads // tp
+
+    def param(*size):
+        return torch.empty(*size, device="meta", dtype=dtype, requires_grad=backward)
+
+    x = torch.empty(b * s // tp, d, device="meta", dtype=dtype, requires_grad=backward)
+    weights = [param(3 * local_heads * hd, d), param(d, local_heads * hd),
+               param(2 * hidden // tp, d), param(d, hidden // tp)]
+
+    def block(x, wqkv, wo, wgu, wd):
+        h = funcol.all_gather_tensor(F.rms_norm(x, (d,)), 0, group)
+        q, k, v = F.linear(h, wqkv).view(b, s, 3, local_heads, hd).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        att = att.transpose(1, 2).reshape(b * s, local_heads * hd)
+        x = x + funcol.reduce_scatter_tensor(F.linear(att, wo), "sum", 0, group)
+        h = funcol.all_gather_tensor(F.rms_norm(x, (d,)), 0, group)
+        gate, up = F.linear(h, wgu).chunk(2, dim=-1)
+        return x + funcol.reduce_scatter_tensor(F.linear(F.silu(gate) * up, wd), "sum", 0,
+                                                group)
+
+    return trace_graphs(block, x, *weights, backward=backward)

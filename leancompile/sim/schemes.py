@@ -1,6 +1,8 @@
 """The overlap schemes side by side on a simulated device (``leancompile bench overlap
---simulate``): one TP+SP MLP block traced at full size (``fullscale.tp_mlp``), rewritten by
-each scheme's options, simulated (``simulate.simulate``).
+--simulate``): one block traced at full size (``--case``: ``mlp``, the FlashOverlap paper's
+TP+SP MLP, ``fullscale.tp_mlp``; ``llama-tp``, a Llama block under TP+SP; ``fsdp-mlp``, an MLP
+whose weights are all-gathered), rewritten by each scheme's options, simulated
+(``simulate.simulate``).
 
 Schemes: ``sequential`` (no pass), ``slice_<k>`` (the data-slicing baseline, k chunks),
 ``flash`` (FlashOverlap, ring reduce-scatter), ``direct`` (FlashOverlap, direct reduce-scatter),
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .devices import device_profile
-from .fullscale import fake_group, rewrite, tp_mlp
+from .fullscale import fake_group, fsdp_mlp, llama_tp_block, rewrite, tp_mlp
 from .simulate import simulate
 
 __all__ = ["simulate_schemes"]
@@ -33,19 +35,28 @@ def _schemes(slices) -> dict[str, dict]:
     return out
 
 
+CASES = {
+    "mlp": tp_mlp,            # the FlashOverlap paper's TP+SP MLP block
+    "llama-tp": llama_tp_block,  # a Llama block under TP+SP (attention + SwiGLU)
+    "fsdp-mlp": fsdp_mlp,     # an MLP block whose weights are all-gathered (FSDP-style)
+}
+
+
 def simulate_schemes(*, device="h200", tp: int = 4, shape=(32, 4096, 4096), dtype="bf16",
-                     backward: bool = False, slices=(2, 4, 8)) -> dict:
+                     backward: bool = False, slices=(2, 4, 8), case: str = "mlp") -> dict:
     """``{"config": ..., "schemes": {name: {"total_s", "compute_s", "comm_s",
     "exposed_comm_s", "peak_memory_bytes", "rewritten", "available", "reason"}}}``."""
     profile = device_profile(device)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}; use one of {sorted(_DTYPES)}")
+    if case not in CASES:
+        raise ValueError(f"case={case!r}; use one of {sorted(CASES)}")
     if tp < 2:
         raise ValueError(f"tp={tp} must be >= 2 (one rank has nothing to communicate)")
     phases = ("forward", "backward") if backward else ("forward",)
     results = {}
     with fake_group(tp):
-        graphs = tp_mlp(tp, tuple(shape), dtype=_DTYPES[dtype], backward=backward)
+        graphs = CASES[case](tp, tuple(shape), dtype=_DTYPES[dtype], backward=backward)
         for name, options in _schemes(slices).items():
             if name == "async_tp" and not profile.symmetric_memory:
                 results[name] = {
@@ -58,7 +69,8 @@ def simulate_schemes(*, device="h200", tp: int = 4, shape=(32, 4096, 4096), dtyp
             for phase in phases:
                 gm, record = rewrite(graphs[phase], phase, **options)
                 rewritten.append(gm)
-                rewrites += sum(len(r.rewritten) for r in record.passes)
+                rewrites += sum(len(r.rewritten) for r in record.passes
+                                if r.name == "flash_overlap")
             timeline = simulate(rewritten, profile, world_size=tp)
             results[name] = {"total_s": timeline.total_s, "compute_s": timeline.compute_s,
                              "comm_s": timeline.comm_s,
@@ -69,6 +81,7 @@ def simulate_schemes(*, device="h200", tp: int = 4, shape=(32, 4096, 4096), dtyp
     for entry in results.values():
         entry["ratio_to_sequential"] = None if entry["total_s"] is None else \
             entry["total_s"] / sequential
-    return {"config": {"device": profile.name, "tp": tp, "shape": list(shape), "dtype": dtype,
+    return {"config": {"device": profile.name, "case": case, "tp": tp, "shape": list(shape),
+                       "dtype": dtype,
                        "phases": list(phases), "simulated": True},
             "schemes": results}
