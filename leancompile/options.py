@@ -9,7 +9,7 @@ __all__ = ["CompileOptions", "COMPILERS"]
 
 COMPILERS = ("inductor", "aot_eager")
 # Values later passes will accept; until they land, anything but None is refused with a reason.
-_OVERLAP_VALUES: tuple = (None, "flash", "slice")
+_OVERLAP_VALUES: tuple = (None, "flash", "slice", "auto")
 _VARIANTS = ("ring", "direct")
 _MODE_OF_OPTION = {"variant": "flash", "chunks_per_rank": "flash", "chunks": "slice"}
 """The overlap mode each mode-specific option belongs to."""
@@ -34,7 +34,13 @@ class CompileOptions:
 
     overlap: str | None = None
     """Communication/compute overlap: ``"flash"`` (FlashOverlap: decomposed P2P schedules),
-    ``"slice"`` (the data-slicing baseline, ``chunks`` async collectives) or None (off)."""
+    ``"slice"`` (the data-slicing baseline, ``chunks`` async collectives), ``"auto"`` (per
+    graph, the candidate the simulator predicts fastest on ``device``: none, flash ring or
+    direct, flash with 2 chunks per rank, slice in 2 or 4) or None (off)."""
+
+    device: str | None = None
+    """``overlap="auto"``: the device profile it predicts on (``leancompile/sim/devices``; a
+    built-in name or a JSON file; default ``"h200"``)."""
 
     variant: str | None = None
     """Flash reduce-scatter: ``"ring"`` (the default: partials accumulate along the ring) or
@@ -96,6 +102,9 @@ class CompileOptions:
                     f"{name}={getattr(self, name)!r} applies to overlap={mode!r} only; with "
                     f"overlap={self.overlap!r} it would be ignored: drop it, or pass "
                     f"overlap={mode!r}")
+        if self.device is not None and self.overlap != "auto":
+            raise ValueError(f"device={self.device!r} is what overlap='auto' predicts on; with "
+                             f"overlap={self.overlap!r} it would be ignored")
         if self.on_error not in _ON_ERROR_VALUES:
             raise ValueError(f"on_error={self.on_error!r} is not supported; use one of "
                              f"{_ON_ERROR_VALUES}")
@@ -138,4 +147,5 @@ class CompileOptions:
         return {"compiler": self.compiler, "disable": sorted(self.disable),
                 "overlap": self.overlap, "variant": self.variant,
                 "chunks_per_rank": self.chunks_per_rank, "chunks": self.chunks,
-                "on_error": self.on_error, "schedule": self.schedule, "strict": self.strict}
+                "on_error": self.on_error, "schedule": self.schedule, "strict": self.strict,
+                "device": self.device}

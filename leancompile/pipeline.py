@@ -7,6 +7,7 @@ in the environment, writes the graph before and after every pass to that folder 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -41,6 +42,8 @@ class Pipeline:
             f"{s.name}{' (disabled)' if s.name in options.disable else ''}" for s in self.specs))
 
     def run(self, gm: fx.GraphModule, *, phase: str, graph_index: int = 0) -> GraphRecord:
+        if self.options.overlap == "auto":
+            return self._run_auto(gm, phase=phase, graph_index=graph_index)
         before = GraphSnapshot(gm)  # code printed only if the report is read
         counts_before = op_counts(gm)
         debug_dir = os.environ.get(DEBUG_ENV)
@@ -72,6 +75,49 @@ class Pipeline:
             graph_index=graph_index, phase=phase, before_snapshot=before,
             after_snapshot=GraphSnapshot(gm), passes=results, op_counts_before=counts_before,
             op_counts_after=op_counts(gm))
+
+    def _run_auto(self, gm: fx.GraphModule, *, phase: str, graph_index: int) -> GraphRecord:
+        """``overlap="auto"``: every candidate of ``AUTO_CANDIDATES`` runs on a copy of
+        ``gm``, the simulator predicts each copy's time on ``options.device``, and the
+        fastest (the first within 1% of it: ties go to the simpler one, and every rank, whose
+        graphs differ only in rank numbers, picks the same) runs on ``gm``. The record's
+        ``auto`` says what was predicted."""
+        import copy
+
+        from .sim.simulate import simulate
+
+        device = self.options.device or "h200"
+        base = {f.name: getattr(self.options, f.name)
+                for f in dataclasses.fields(self.options)}
+        predicted = {}
+        for name, extra in AUTO_CANDIDATES.items():
+            candidate = CompileOptions(**{**base, "overlap": None, "device": None,
+                                          "strict": False, **extra})
+            trial = copy.deepcopy(gm)
+            Pipeline(candidate).run(trial, phase=phase, graph_index=graph_index)
+            predicted[name] = simulate(trial, device).total_s
+        best = min(predicted.values())
+        chosen = next(n for n, t in predicted.items() if t <= best * 1.01)
+        extra = AUTO_CANDIDATES[chosen]
+        concrete = CompileOptions(**{**base, "overlap": None, "device": None, **extra,
+                                     "strict": self.options.strict and bool(extra)})
+        record = Pipeline(concrete).run(gm, phase=phase, graph_index=graph_index)
+        record.auto = {"device": device, "chosen": chosen, "predicted_s": predicted}
+        log.info("leancompile overlap='auto' %s graph %d on %s: %s (%s)", phase, graph_index,
+                 device, chosen, ", ".join(f"{n} {t * 1e3:.3f} ms"
+                                           for n, t in predicted.items()))
+        return record
+
+
+AUTO_CANDIDATES = {
+    "none": {},
+    "flash": {"overlap": "flash"},
+    "flash direct": {"overlap": "flash", "variant": "direct"},
+    "flash 2 chunks per rank": {"overlap": "flash", "chunks_per_rank": 2},
+    "slice 2": {"overlap": "slice", "chunks": 2},
+    "slice 4": {"overlap": "slice", "chunks": 4},
+}
+"""What ``overlap="auto"`` chooses from, simplest first."""
 
 
 class UnrewrittenCollectiveError(RuntimeError):

@@ -100,6 +100,9 @@ class GraphRecord:
     passes: list[PassResult]
     op_counts_before: Counter
     op_counts_after: Counter
+    auto: dict | None = None
+    """``overlap="auto"``: the device, the candidate chosen and each candidate's predicted
+    seconds."""
 
     @property
     def before(self) -> str:

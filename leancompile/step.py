@@ -1532,6 +1532,13 @@ class LeanStep:
             state.phase = None
         return list(state.graphs_called)
 
+    def discard_kept(self) -> None:
+        """Free everything the last rollout kept (activations, per-sample buffers), so that
+        the next update calls recompute; what ``take_deferred_grads`` holds stays."""
+        if self._state.phase is not None:
+            raise RuntimeError(f"discard_kept() inside {self._state.phase}()")
+        self._state.clear()
+
     def take_deferred_grads(self) -> list[tuple[Tensor, Tensor]]:
         """``defer_reductions``: (parameter, full-size gradient not yet reduced over the ranks)
         for every parameter Reweight held back since the last call; the caller reduces them

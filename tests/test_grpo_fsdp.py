@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -150,6 +151,28 @@ def _fsdp_worker(rank, world, init, out, kind):
         reductions = sum("reduce_scatter_tensor" in str(n.target)
                          for n in lean.graphs[0].backward_aten.graph.nodes)
         report["chunk_syncs"] = counts + [reductions * lean.stats.backward_graphs_run]
+        # A parameter change between rollout and update, and chunks updated out of order:
+        # every rank recomputes alike (DanceGRPO subsets, global-std Reweight: a rank may have
+        # no trained row at the first trained step).
+        stale_cfg = GRPOConfig(sde="dance_grpo", eta=0.3, group_size=world, layout="shared",
+                               timestep_fraction=0.75, global_std=True, schedule="reweight")
+        got = {}
+        for kind in ("single", "fsdp"):
+            policy = copy.deepcopy(base)
+            tr = GRPOTrainer(policy, mean_latent_reward, None, stale_cfg,
+                             parallel=None if kind == "single" else "fsdp")
+            pending = tr.rollout(conditions, torch.Generator().manual_seed(5))
+            with torch.no_grad():
+                for name in tr.trainable:
+                    dict(policy.named_parameters())[name].add_(0.01)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                stale = pending.update().grads
+            pending = tr.rollout(conditions, torch.Generator().manual_seed(6), chunks=2)
+            later, first = pending.update(chunk=1).grads, pending.update(chunk=0).grads
+            got[kind] = (stale, later, first)
+        report["stale_rel"] = [agreement(_full(f, shapes, world), s)[1]
+                               for f, s in zip(got["fsdp"], got["single"])]
         # LoRA adapters sharded (lora_B random, so the policy is not its reference yet), with
         # the KL to the adapter-free reference: zero adapters at full size.
         from peft import LoraConfig, get_peft_model
@@ -233,6 +256,7 @@ def test_fsdp_two_ranks_toy_every_layout_and_schedule_equals_one_process(tmp_pat
         first, second, total = report["chunk_syncs"]
         assert first > 0 and second > 0 and first + second == total, report["chunk_syncs"]
         assert all(rel <= 1e-5 for rel in report["lora_rel"].values()), report["lora_rel"]
+        assert all(rel <= 1e-6 for rel in report["stale_rel"]), report["stale_rel"]
         assert report["lora_kl"][1] > 0 and abs(report["lora_kl"][0] - report["lora_kl"][1]) \
             <= 1e-6 * report["lora_kl"][1], report["lora_kl"]
 

@@ -305,3 +305,83 @@ def test_llama_tp_and_fsdp_blocks_at_size_rewritten_and_simulated(case, world, s
     schemes = report["schemes"]
     assert schemes["sequential"]["rewritten"] == 0 and schemes["flash"]["rewritten"] > 0
     assert schemes["flash"]["exposed_comm_s"] < schemes["sequential"]["exposed_comm_s"]
+
+
+def test_overlap_auto_picks_what_the_simulator_predicts_fastest(tmp_path):
+    import leancompile
+    from leancompile.sim.fullscale import rewrite, tp_mlp
+
+    slow = dataclasses.replace(device_profile("h100"), name="slow", link_bandwidth=1e8,
+                               collective_bandwidth=1e8, link_latency=1e-3)
+    (tmp_path / "slow.json").write_text(slow.to_json())
+    with fake_group(4):
+        graphs = tp_mlp(4, (32, 4096, 4096))  # the FlashOverlap paper's case
+        fast_gm, fast = rewrite(graphs["forward"], "forward", overlap="auto", device="h200")
+        _, crawl = rewrite(graphs["forward"], "forward", overlap="auto",
+                           device=str(tmp_path / "slow.json"))
+    auto = fast.auto
+    assert auto["device"] == "h200" and set(auto["predicted_s"]) == {
+        "none", "flash", "flash direct", "flash 2 chunks per rank", "slice 2", "slice 4"}
+    best = min(auto["predicted_s"].values())
+    assert auto["predicted_s"][auto["chosen"]] <= best * 1.01
+    # On NVLink a hop hides behind a slice's matmul: a flash schedule, about 20% faster.
+    assert auto["chosen"].startswith("flash")
+    assert auto["predicted_s"][auto["chosen"]] < 0.85 * auto["predicted_s"]["none"]
+    assert any("p2p_start" in str(n.target) for n in fast_gm.graph.nodes)
+    # A link so slow that compute hides little: the decomposed schedules only add kernels
+    # and copies, so the graph stays as it was.
+    assert crawl.auto["chosen"] == "none"
+    with pytest.raises(ValueError, match="device='h200' is what overlap='auto' predicts on"):
+        leancompile.CompileOptions(overlap="flash", device="h200")
+
+
+def _auto_worker(rank, world, init, out, profile_path):
+    import torch.distributed as dist
+
+    import leancompile
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(32, 64), torch.randn(64, 32)
+    torch.manual_seed(1 + rank)
+    x = torch.randn(16, 32)
+    block = _mlp_block(dist.group.WORLD.group_name)
+    results = {}
+    for name, options in (("sequential", {}), ("auto", {"overlap": "auto",
+                                                        "device": profile_path})):
+        torch._dynamo.reset()
+        y = torch.compile(block, backend=leancompile.backend(compiler="aot_eager", **options))(
+            x, w1, w2)
+        results[name] = y
+        if name == "auto":
+            report = leancompile.last_report()
+            chosen = [r.auto["chosen"] for r in report.graphs]
+    diff = (results["auto"] - results["sequential"]).abs().max().item()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, chosen)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"chosen": everyone, "diff": diff}, f)
+    dist.destroy_process_group()
+
+
+def test_overlap_auto_on_two_gloo_ranks_agrees_and_equals_sequential(tmp_path):
+    """Every rank predicts the same times for its (symmetric) graph, so they pick the same
+    schedule; the result is the sequential one's. The profile (a hop as long as a slice's
+    matmul, no launch costs) makes a decomposed schedule win."""
+    import torch.multiprocessing as mp
+
+    profile = dataclasses.replace(device_profile("h100"), name="slowcompute",
+                                  flops={"float32": 1e8}, link_bandwidth=3e6,
+                                  collective_bandwidth=3e6, link_latency=0.0,
+                                  kernel_overhead=0.0, matmul_overhead=0.0)
+    path = tmp_path / "profile.json"
+    path.write_text(profile.to_json())
+    out = tmp_path / "result.json"
+    mp.spawn(_auto_worker, args=(2, str(tmp_path / "init"), str(out), str(path)), nprocs=2,
+             join=True)
+    result = json.loads(out.read_text())
+    assert result["chosen"][0] == result["chosen"][1] and result["chosen"][0] != ["none"], \
+        result
+    assert result["diff"] <= 1e-5, result

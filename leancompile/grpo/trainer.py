@@ -349,6 +349,15 @@ class GRPOTrainer:
                     "sharded, and the adapter reference would need them gathered on every "
                     "reference call; use reference='copy' (a full copy on every rank) or "
                     "freeze them")
+            # lora_B = 0 zeroes an adapter whatever its lora_A; any other adapter parameter
+            # (DoRA's magnitude vectors) changes the layer even then.
+            zeroed = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
+            other = [n for n in self.trainable if not any(z in n for z in zeroed)]
+            if other:
+                raise ValueError(
+                    f"reference='adapter' with parallel='fsdp': {other[:4]} are adapter "
+                    "parameters that zero lora_B does not cancel (DoRA's magnitude vectors); "
+                    "use reference='copy'")
             params = dict(self.policy.named_parameters())
             return {f"policy.{n}": params[n].new_zeros(shapes[n]) for n in self.trainable}
         held = getattr(self.policy, "_leancompile_sharding", None)
@@ -550,6 +559,12 @@ class GRPOTrainer:
         units = assign(layout, num_prompts=num_prompts, group_size=cfg.group_size,
                        world_size=par.world_size, rank=par.rank, seed=seed)
         plan_mask = mask[local] if local.numel() else mask
+        if self.sharding is not None and local.numel():
+            # fsdp: Retain also keeps a stand-in row at every step another rank trains and
+            # this one does not (_fsdp_padding)
+            extra = mask.any(0) & ~plan_mask.any(0)
+            if bool(extra.any()):
+                plan_mask = torch.cat([plan_mask, extra[None]])
         # Reweight's gradient buffers in flight: a group's rows on this rank (the whole local
         # batch when advantages wait for everyone: global_std, or groups scattered over ranks).
         in_flight = (plan_mask.shape[0] if layout == "scattered"
@@ -567,18 +582,19 @@ class GRPOTrainer:
                 schedule, partitioner_budget = agreed, None
             # And the same graphs: Retain's partitioner budget changes what the backward
             # recomputes (under fsdp, which gathers it runs), so the smallest budget any
-            # rank needs (budgets are tried largest first).
-            budgets = (None,) + tuple(cfg.partitioner_budgets)
-            index = int(par.all_max(budgets.index(partitioner_budget)))
-            if schedule == "retain" and budgets[index] != partitioner_budget:
-                reason += (f"; partitioner budget {budgets[index]}, which another rank's rows "
+            # rank needs (None, the partitioner's default, counts as the largest).
+            value = par.all_min(2.0 if partitioner_budget is None else partitioner_budget)
+            agreed_budget = None if value >= 2.0 else value
+            if schedule == "retain" and agreed_budget != partitioner_budget:
+                reason += (f"; partitioner budget {agreed_budget}, which another rank's rows "
                            "need")
-                partitioner_budget = budgets[index]
+                partitioner_budget = agreed_budget
         padding = None
         if self.sharding is not None:
             padding = self._fsdp_padding(layout, num_prompts=num_prompts, seed=seed,
                                          mask=mask, schedule=schedule)
-            self._check_fsdp_calls(keys, example, padding, chunk_steps, schedule)
+            self._check_fsdp_calls(keys, example, padding, chunk_steps, schedule,
+                                   partitioner_budget)
         return _Setup(keys=keys, num_prompts=num_prompts, batch=batch, cond=cond,
                       cond_list=cond_list, selected=selected, latents0=latents0, noise=noise,
                       chunk_steps=chunk_steps, mask=mask,
@@ -618,12 +634,13 @@ class GRPOTrainer:
                                 for k in range(m.shape[1])])
         return padding
 
-    def _check_fsdp_calls(self, keys, example, padding, chunk_steps, schedule: str) -> None:
+    def _check_fsdp_calls(self, keys, example, padding, chunk_steps, schedule: str,
+                          partitioner_budget=None) -> None:
         """The step's forward and inference graphs must gather the parameters in one order
         (a rank's untrained call pairs with another's trained one), and the ranks' padded
         calls must agree (they do by construction; compared across the ranks all the same,
         before the rollout, as a cheap guard against a rank drawing something else)."""
-        graph = self._graphs(self.lean_step(keys), example)
+        graph = self._graphs(self.lean_step(keys, partitioner_budget), example)
         orders = {name: _gather_order(gm) for name, gm in (("forward", graph.forward),
                                                            ("inference", graph.inference))
                   if gm is not None}
@@ -1092,11 +1109,16 @@ class PendingUpdate:
             raise ValueError(f"chunk {chunk} of this rollout was already updated")
         if not 0 <= chunk < len(self.chunk_steps):
             raise ValueError(f"chunk={chunk}; this rollout has {len(self.chunk_steps)} chunks")
+        earlier = bool(self._done)
         self._done.add(chunk)
         trainer, record = self.trainer, self.rollout
         start = time.perf_counter()
         stale = trainer._versions() != self.versions
         lean = self.setup.lean
+        # What the rollout kept serves chunk 0 only, fresh and first: any other update frees
+        # it and recomputes, the same way on every rank (under fsdp a rank reusing while
+        # another recomputes would pair different collectives).
+        reusable = chunk == 0 and not stale and not earlier
         before = lean.stats.reused_calls
         if chunk == 0 and stale and self.schedule != "recompute":
             warnings.warn(
@@ -1110,13 +1132,13 @@ class PendingUpdate:
                 grads = self.rollout_grads  # reweight updated each group as it was scored
                 self.sync = self._rollout_sync
             else:
-                if chunk > 0 or stale:
+                if not reusable:
                     self._kl.clear()
                     self._ratio_error = None
+                    lean.discard_kept()
                 self.train(rows, record.advantages, record.latents, record.log_probs,
-                           chunk=chunk, on_policy=chunk == 0 and not stale)
-                grads = self.collect(deferred=self.schedule == "reweight" and chunk == 0
-                                     and not stale)
+                           chunk=chunk, on_policy=reusable)
+                grads = self.collect(deferred=self.schedule == "reweight" and reusable)
         finally:
             self.restore_grads()
         reused = lean.stats.reused_calls > before or (
