@@ -80,6 +80,12 @@ def cases() -> list[Case]:
         # compile entry points
         Case("backend", "unknown compiler", lambda: leancompile.backend(compiler="tvm"), "tvm"),
         Case("backend", "unknown option", lambda: leancompile.backend(chunk=2), "chunk"),
+        Case("backend", "strict without an overlap pass",
+             lambda: leancompile.backend(strict=True), "strict=True checks"),
+        Case("backend", "device without overlap='auto'",
+             lambda: leancompile.backend(overlap="flash", device="h200"), "overlap='auto'"),
+        Case("simulate", "unknown device profile",
+             lambda: leancompile.simulate([], device="tpu-v9"), "tpu-v9"),
         Case("backend", "unknown pass to disable",
              lambda: leancompile.backend(disable=("fuse_all",)), "fuse_all"),
         Case("backend", "unknown overlap", lambda: leancompile.backend(overlap="async"),
