@@ -56,9 +56,9 @@ def _fsdp_worker(rank, world, init, out, kind):
         cases += [("shared", "reweight", {"beta": 0.1}), ("shared", "retain", {"beta": 0.1}),
                   ("shared", "reweight", {"global_std": True})]
         # FlashOverlap on the same graphs: the weight gathers feeding matmuls and the weight
-        # gradients feeding reduce-scatters become P2P schedules (2 ranks: the suite's time).
+        # gradients feeding reduce-scatters become P2P schedules.
         cases += [("shared", s, {"overlap": "flash"}) for s in ("recompute", "retain",
-                                                                 "reweight")] if world == 2 else []
+                                                                 "reweight")]
         # Calls that differ across ranks: DanceGRPO's per-sample trained steps, a rank
         # without rows (one prompt group, conventional), worker groups of the shared layout
         # with different numbers of prompts (group_size 2 < 4 ranks, 3 prompts). The ranks
