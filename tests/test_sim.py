@@ -244,17 +244,19 @@ def test_plan_grpo_cli(capsys):
     assert "multiple of 16" in capsys.readouterr().err
 
 
-def test_trace_grpo_writes_chrome_traces_and_a_png(tmp_path, monkeypatch):
+def test_trace_grpo_writes_chrome_traces_and_a_png(tmp_path):
     """``leancompile trace grpo``: the measured step's trace holds the trainer's phases and the
     step graphs' runs; the simulated one the predicted phases; the PNG is written."""
-    import leancompile.sim.plan as plan
     from leancompile.benchmarks.trace import trace_grpo
+    from leancompile.sim.plan import GRPOPlanConfig, ModelCosts, plan_grpo
 
-    # The simulated half at a small size (the full 720 px FLUX.1-dev takes ~15 s to trace).
-    real = plan.GRPOPlanConfig
-    monkeypatch.setattr(plan, "GRPOPlanConfig",
-                        lambda **kw: real(**{**kw, "resolution": 256, "steps": 4}))
-    files = trace_grpo(tmp_path, model="flux-dev", device="a6000")
+    # The simulated half from given per-call costs (tracing FLUX.1-dev takes ~15 s; the
+    # planner's own test does that).
+    costs = ModelCosts(params=12 * 10**9, trainable=12 * 10**9, tokens=2025, inference_s=1.5,
+                       forward_s=1.5, backward_s=4.0, saved_bytes=2 * 10**9,
+                       call_peak_bytes=4 * 10**9)
+    plan = plan_grpo(GRPOPlanConfig(model="flux-dev", steps=4), costs)
+    files = trace_grpo(tmp_path, plan=plan)
     measured, simulated, png = files
     names = {e["name"] for e in json.loads(measured.read_text())["traceEvents"]
              if e.get("ph") == "X"}

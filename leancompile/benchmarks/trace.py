@@ -209,7 +209,10 @@ def _plan_trace(report: dict) -> tuple[dict, dict]:
                                                  "schedule": schedule}}, rows
 
 
-def trace_grpo(out, *, model: str = "flux-dev", device: str = "a6000") -> list[Path]:
+def trace_grpo(out, *, model: str = "flux-dev", device: str = "a6000",
+               plan: dict | None = None) -> list[Path]:
+    """Write the GRPO traces and PNG into ``out``; ``plan``: a ``plan_grpo`` report to lay out
+    instead of planning ``model`` on ``device``."""
     from ..demos.grpo_demo import TARGET, _build
     from ..grpo.rewards import TargetColorReward, decoded
     from ..grpo.trainer import GRPOConfig, GRPOTrainer
@@ -236,7 +239,7 @@ def trace_grpo(out, *, model: str = "flux-dev", device: str = "a6000") -> list[P
     rows["inference graph"] = lambda name: name == "leancompile.inference_graph"
     rows["kept forward"] = lambda name: name == "leancompile.forward_graph"
     rows["backward"] = lambda name: name == "leancompile.backward_graph"
-    report = plan_grpo(GRPOPlanConfig(model=model, device=device))
+    report = plan_grpo(GRPOPlanConfig(model=model, device=device)) if plan is None else plan
     simulated, sim_rows = _plan_trace(report)
     simulated_path = out / "grpo_simulated.json"
     simulated_path.write_text(json.dumps(simulated))
