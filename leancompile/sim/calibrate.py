@@ -10,8 +10,9 @@ median of samples; every number the mean over the ranks):
 - kernel overhead: an add of one-element tensors;
 - the P2P exchange of ``runtime/p2p.py`` (a send to rank r+1 and a receive from r-1 at once) at
   two sizes: latency and bandwidth;
-- an all-gather at two sizes: the bus bandwidth of ring collectives;
-- how much of an exchange runs beside a matmul: ``comm_compute_overlap`` =
+- an all-gather at two sizes: the bus bandwidth of ring collectives; a reduce-scatter at two
+  sizes: that of reductions (gloo sums on the cores);
+- how much of an exchange runs beside a matmul about as long: ``comm_compute_overlap`` =
   ``(t_matmul + t_exchange - t_both) / min(t_matmul, t_exchange)``.
 """
 
@@ -102,8 +103,22 @@ def calibrate_cpu_gloo(*, repeats: int = 5) -> DeviceProfile:
     _, gather_per_byte = _fit(small.numel() * 4, g_small / (world - 1),
                               large.numel() * 4, g_large / (world - 1))
 
-    a, b = torch.randn(512, 512, generator=g), torch.randn(512, 512, generator=g)
-    t_mm = _mean(_best(lambda: a @ b, repeats))
+    def reduce_scatter(t):
+        out = t.new_empty(t.numel() // world)
+        dist.reduce_scatter_tensor(out, t)
+
+    wide_small = torch.randn(world * small.numel(), generator=g)
+    wide_large = torch.randn(world * large.numel(), generator=g)
+    r_small = _mean(_best(lambda: reduce_scatter(wide_small), repeats))
+    r_large = _mean(_best(lambda: reduce_scatter(wide_large), repeats))
+    _, reduce_per_byte = _fit(small.numel() * 4, r_small / (world - 1),
+                              large.numel() * 4, r_large / (world - 1))
+
+    # A matmul about as long as the exchange, so that the overlap is well measured; the
+    # three timed in turns, several times.
+    n = min((256, 384, 512, 768, 1024), key=lambda m: abs(2 * m ** 3 / peak - t_large))
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    t_mm = _mean(_best(lambda: a @ b, 2 * repeats))
 
     def both():
         pending = start_exchange(large, large.shape, (rank + 1) % world, (rank - 1) % world,
@@ -111,14 +126,16 @@ def calibrate_cpu_gloo(*, repeats: int = 5) -> DeviceProfile:
         a @ b
         wait_exchange(pending)
 
-    t_both = _mean(_best(both, repeats))
+    t_both = _mean(_best(both, 2 * repeats))
+    t_large = _mean(_best(lambda: exchange(large), 2 * repeats))
     overlap = (t_mm + t_large - t_both) / min(t_mm, t_large)
     threads = torch.get_num_threads()
     cpus = os.cpu_count() or 1
     return DeviceProfile(
         name="cpu-gloo", flops={"float32": peak}, memory_bandwidth=bandwidth,
         link_bandwidth=1 / per_byte, link_latency=latency,
-        collective_bandwidth=1 / gather_per_byte, memory_bytes=_memory_bytes(),
+        collective_bandwidth=1 / gather_per_byte, reduce_bandwidth=1 / reduce_per_byte,
+        memory_bytes=_memory_bytes(),
         kernel_overhead=overhead, matmul_efficiency=1.0, matmul_overhead=max(half / peak, 0.0),
         comm_compute_overlap=min(max(overlap, 0.0), 1.0), symmetric_memory=False,
         sources={"flops": f"measured: fp32 matmuls of 128^3 and 768^3 with {threads} "
@@ -128,7 +145,9 @@ def calibrate_cpu_gloo(*, repeats: int = 5) -> DeviceProfile:
                                    "over gloo",
                  "collective_bandwidth": "measured: gloo all_gather_into_tensor of 1 KiB "
                                          "and 4 MiB shards",
-                 "comm_compute_overlap": "measured: a 4 MiB exchange beside a 512^3 matmul"},
+                 "reduce_bandwidth": "measured: gloo reduce_scatter_tensor to 1 KiB and "
+                                     "4 MiB parts",
+                 "comm_compute_overlap": f"measured: a 4 MiB exchange beside a {n}^3 matmul"},
         notes=f"calibrated in {world} gloo ranks on this machine")
 
 

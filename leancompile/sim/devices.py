@@ -21,7 +21,8 @@ What the numbers mean (the simulator's model, ``leancompile/sim/simulate.py``):
   ``link_latency + bytes / link_bandwidth`` (per direction: a send and a receive at once are
   one hop). ``collective_bandwidth``: the bus bandwidth a ring collective reaches (defaults to
   ``link_bandwidth``); an all-gather of N shards of B bytes takes
-  ``(N - 1) * (link_latency + B / collective_bandwidth)``.
+  ``(N - 1) * (link_latency + B / collective_bandwidth)``; reduce-scatters and all-reduces use
+  ``reduce_bandwidth`` (defaults to ``collective_bandwidth``).
 - ``symmetric_memory``: whether peers can read each other's memory directly (NVLink/NVSwitch
   within one host), which PyTorch's async-TP needs.
 """
@@ -58,6 +59,10 @@ class DeviceProfile:
     """Device memory capacity."""
     collective_bandwidth: float | None = None
     """Bus bytes/s of ring collectives (None: ``link_bandwidth``)."""
+    reduce_bandwidth: float | None = None
+    """Bus bytes/s of the collectives that also add (reduce-scatter, all-reduce; None:
+    ``collective_bandwidth``). NCCL reaches about the same as for gathers; gloo on a CPU sums
+    on the cores, more slowly."""
     kernel_overhead: float = 4e-6
     """Seconds each compute kernel costs beyond its roofline time (launch, tail)."""
     matmul_efficiency: float = 0.75
@@ -94,6 +99,10 @@ class DeviceProfile:
     @property
     def bus_bandwidth(self) -> float:
         return self.collective_bandwidth or self.link_bandwidth
+
+    @property
+    def reduction_bandwidth(self) -> float:
+        return self.reduce_bandwidth or self.bus_bandwidth
 
     def peak_flops(self, dtype) -> float:
         """Peak FLOP/s for a torch dtype (or its name); a dtype the profile does not list

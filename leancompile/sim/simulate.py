@@ -200,10 +200,12 @@ def node_cost(node: fx.Node, device: DeviceProfile, *, world_size: int | None = 
         bw, alpha = device.bus_bandwidth, device.link_latency
         if name.startswith("all_gather"):
             t = (n - 1) * (alpha + in_bytes / bw)
-        elif name.startswith("reduce_scatter") or name == "all_to_all_single":
+        elif name == "all_to_all_single":
             t = (n - 1) * (alpha + in_bytes / n / bw)
+        elif name.startswith("reduce_scatter"):
+            t = (n - 1) * (alpha + in_bytes / n / device.reduction_bandwidth)
         elif name.startswith("all_reduce"):
-            t = 2 * (n - 1) * (alpha + in_bytes / n / bw)
+            t = 2 * (n - 1) * (alpha + in_bytes / n / device.reduction_bandwidth)
         else:  # broadcast: pipelined along the ring
             t = (n - 1) * alpha + in_bytes / bw
         return "comm", t, 0.0, in_bytes
