@@ -387,3 +387,29 @@ def test_overlap_auto_on_two_gloo_ranks_agrees_and_equals_sequential(tmp_path):
     assert result["chosen"][0] == result["chosen"][1] and result["chosen"][0] != ["none"], \
         result
     assert result["diff"] <= 1e-5, result
+
+
+def test_trainer_auto_on_a_device_takes_the_fastest_plan_that_fits():
+    from leancompile.grpo.trainer import GRPOConfig, GRPOTrainer
+    from models import ToyFlowPolicy
+
+    policy = ToyFlowPolicy()
+    conditions = policy.example_conditions(2, generator=torch.Generator().manual_seed(1))
+
+    def reward(latents, conditions):
+        return latents.flatten(1).mean(1)
+
+    config = GRPOConfig(group_size=2, eta=0.9, schedule="auto", device="a100",
+                        memory_budget_bytes=2**30)
+    report = GRPOTrainer(policy, reward, None, config).explain(conditions)
+    seconds = {name: plan.seconds for name, plan in report.plans.items()}
+    assert all(s is not None and s > 0 for s in seconds.values()), seconds
+    assert seconds["retain"] < seconds["recompute"]  # no update forward
+    assert report.chosen == min((n for n, p in report.plans.items() if p.fits),
+                                key=lambda n: seconds[n])
+    assert "predicted" in report.reason and "fastest that fits" in report.reason
+    assert "predicted" in report.plans["retain"].describe()
+    plain = GRPOTrainer(policy, reward, None, dataclasses.replace(config, device=None))
+    assert plain.explain(conditions).plans["retain"].seconds is None
+    with pytest.raises(ValueError, match="not a built-in profile"):
+        GRPOConfig(device="tpu-v9")

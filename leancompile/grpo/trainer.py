@@ -93,6 +93,10 @@ class GRPOConfig:
     cheap ops in the backward) before falling back to Reweight or Recompute."""
     compiler: str = "aot_eager"
     """What runs the captured graphs: ``aot_eager`` or ``inductor``."""
+    device: str | None = None
+    """``schedule="auto"`` on a device model (``leancompile/sim``: a built-in profile name or
+    a JSON file): the plans carry each schedule's predicted seconds, simulated from the step's
+    own graphs, and auto takes the fastest that fits (None: Retain whenever it fits)."""
     overlap: str | None = None
     """The step's communication/compute overlap (``CompileOptions.overlap``): with
     ``parallel="fsdp"``, ``"flash"`` rewrites the parameter gathers feeding matmuls and the
@@ -110,6 +114,10 @@ class GRPOConfig:
     not depend on it."""
 
     def __post_init__(self):
+        if self.device is not None:
+            from ..sim import device_profile
+
+            device_profile(self.device)  # a name or file it can read, or the error says so
         if self.schedule not in SCHEDULES + ("auto",):
             raise ValueError(f"schedule={self.schedule!r}; use one of {SCHEDULES + ('auto',)}")
         if self.sde not in SDE_KINDS:
@@ -452,11 +460,21 @@ class GRPOTrainer:
         key = (id(graph), num_rows)
         if key not in self._cost_cache:
             symbol = graph.batch_symbol
+            seconds = {}
+            if self.config.device is not None:
+                from ..sim import simulate
+
+                # (sizes at the traced example's batch: the whole batch, as the FLOPs here)
+                seconds = {f"{name}_s": simulate(gm, self.config.device).total_s
+                           for name, gm in (("forward", graph.forward),
+                                            ("backward", graph.backward),
+                                            ("inference", graph.inference))
+                           if gm is not None}
             self._cost_cache[key] = (graph, StepCosts(
                 saved_bytes=graph.kept_bytes(num_rows),
                 forward_flops=graph_flops(graph.forward, symbol, num_rows),
                 backward_flops=graph_flops(graph.backward, symbol, num_rows),
-                inference_flops=graph_flops(graph.inference, symbol, num_rows)))
+                inference_flops=graph_flops(graph.inference, symbol, num_rows), **seconds))
         return self._cost_cache[key][1]
 
     def _plans(self, keys, example, mask, schedule, in_flight=None):
@@ -502,7 +520,7 @@ class GRPOTrainer:
         if schedule != "auto":
             return schedule, f"schedule={schedule!r} requested", plans, None, budget_bytes
         name, reason = choose_schedule(plans)
-        if name == "retain":
+        if name == "retain" or plans["retain"].fits:  # (a faster plan chosen on a device)
             return name, reason, plans, None, budget_bytes
         for partitioner_budget in cfg.partitioner_budgets:
             smaller, _ = plans_for(partitioner_budget)

@@ -132,6 +132,11 @@ class StepCosts:
     forward_flops: int
     backward_flops: int
     inference_flops: int
+    forward_s: float | None = None
+    """Predicted seconds of one call of each graph on a device model (``leancompile/sim``),
+    when the caller has one; ``auto`` then takes the fastest plan that fits."""
+    backward_s: float | None = None
+    inference_s: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -152,12 +157,16 @@ class SchedulePlan:
     """The partitioner's activation budget the graphs were captured with (retain)."""
     fits: bool = True
     note: str = ""
+    seconds: float | None = None
+    """Predicted seconds of rollout plus update (when the costs carry predicted times)."""
 
     def describe(self, baseline_flops: int | None = None) -> str:
         relative = (f" ({self.flops / baseline_flops:.2f}x recompute's)"
                     if baseline_flops else "")
         lines = [f"schedule {self.name}: peak extra memory {_fmt_bytes(self.peak_bytes)}, "
                  f"~{self.flops / 1e9:.3f} GFLOP{relative}"
+                 + (f", predicted {self.seconds * 1e3:.2f} ms" if self.seconds is not None
+                    else "")
                  + (f", partitioner budget {self.memory_budget}" if self.memory_budget is not
                     None else "")
                  + ("" if self.fits else " (does not fit)")]
@@ -279,14 +288,29 @@ def build_schedule_plans(*, costs: StepCosts, selected_calls: int, total_calls: 
     }
     for plan in plans.values():
         plan.fits = plan.peak_bytes <= memory_budget_bytes
+    if None not in (costs.inference_s, costs.forward_s, costs.backward_s):
+        t_i, t_f, t_b = costs.inference_s, costs.forward_s, costs.backward_s
+        plans["recompute"].seconds = total_calls * t_i + selected_calls * (t_f + t_b)
+        plans["retain"].seconds = unselected_calls * t_i + selected_calls * (t_f + t_b)
+        plans["reweight"].seconds = unselected_calls * t_i + selected_calls * (
+            t_f + t_b * (2 if with_kl else 1))
     return plans
 
 
 def choose_schedule(plans: dict[str, SchedulePlan]) -> tuple[str, str]:
-    """``auto``: Retain if its kept activations fit, else Reweight if its buffers fit, else
-    Recompute. Returns (name, reason). (Keeping less under Retain, by recapturing with a
+    """``auto``: with predicted times (a device model), the fastest plan that fits; otherwise
+    Retain if its kept activations fit, else Reweight if its buffers fit, else Recompute.
+    Returns (name, reason). (Keeping less under Retain, by recapturing with a
     smaller partitioner budget, is done by the caller before giving up on Retain.)"""
     retain, reweight = plans["retain"], plans["reweight"]
+    timed = [p for p in (retain, reweight, plans["recompute"]) if p.fits and p.seconds]
+    if timed and all(p.seconds is not None for p in plans.values()):
+        best = min(timed, key=lambda p: p.seconds)  # ties: retain, then reweight
+        return best.name, (f"{best.name}: predicted {best.seconds * 1e3:.1f} ms per rollout + "
+                           "update, the fastest that fits the memory budget (" + ", ".join(
+                               f"{p.name} {p.seconds * 1e3:.1f} ms"
+                               f"{'' if p.fits else ' (does not fit)'}"
+                               for p in plans.values()) + ")")
     if retain.fits:
         return "retain", (f"retain keeps {_fmt_bytes(retain.peak_bytes)} of activations, within"
                           " the memory budget; it is exact and skips the update forward")
