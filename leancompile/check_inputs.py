@@ -123,6 +123,8 @@ def cases() -> list[Case]:
              "schedule='auto'"),
         # GRPO configuration
         Case("GRPOConfig", "unknown schedule", lambda: GRPOConfig(schedule="fast"), "fast"),
+        Case("GRPOConfig", "unknown device profile", lambda: GRPOConfig(device="tpu-v9"),
+             "tpu-v9"),
         Case("GRPOConfig", "unknown sde", lambda: GRPOConfig(sde="ddim"), "ddim"),
         Case("GRPOConfig", "eta = 0", lambda: GRPOConfig(eta=0.0), "eta"),
         Case("GRPOConfig", "group of 1", lambda: GRPOConfig(group_size=1), "group_size=1"),
