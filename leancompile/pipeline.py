@@ -87,20 +87,18 @@ class Pipeline:
         from .sim.simulate import simulate
 
         device = self.options.device or "h200"
-        base = {f.name: getattr(self.options, f.name)
-                for f in dataclasses.fields(self.options)}
+        plain = dataclasses.replace(self.options, overlap=None, device=None, strict=False)
         predicted = {}
         for name, extra in AUTO_CANDIDATES.items():
-            candidate = CompileOptions(**{**base, "overlap": None, "device": None,
-                                          "strict": False, **extra})
+            candidate = dataclasses.replace(plain, **extra)
             trial = copy.deepcopy(gm)
             Pipeline(candidate).run(trial, phase=phase, graph_index=graph_index)
             predicted[name] = simulate(trial, device).total_s
         best = min(predicted.values())
         chosen = next(n for n, t in predicted.items() if t <= best * 1.01)
         extra = AUTO_CANDIDATES[chosen]
-        concrete = CompileOptions(**{**base, "overlap": None, "device": None, **extra,
-                                     "strict": self.options.strict and bool(extra)})
+        concrete = dataclasses.replace(plain, **extra,
+                                       strict=self.options.strict and bool(extra))
         record = Pipeline(concrete).run(gm, phase=phase, graph_index=graph_index)
         record.auto = {"device": device, "chosen": chosen, "predicted_s": predicted}
         log.info("leancompile overlap='auto' %s graph %d on %s: %s (%s)", phase, graph_index,

@@ -49,16 +49,6 @@ __all__ = ["latest_checkpoint", "load_into", "save"]
 _FORMAT = 1
 
 
-def _base36(n: int) -> str:
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    out = ""
-    while True:
-        n, r = divmod(n, 36)
-        out = digits[r] + out
-        if n == 0:
-            return out
-
-
 def latest_checkpoint(path) -> Path:
     """The checkpoint folder ``path`` names: ``path`` itself when it holds a ``trainer.json``,
     else the one named by ``path/latest``."""
@@ -136,8 +126,8 @@ def save(trainer, run_dir) -> Path:
     tmp = None
     if par.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        while True:  # a fresh folder (a suffix of base-36 digits, see below)
-            tmp = run_dir / f"{name}.tmp-{_base36(secrets.randbits(40))}"
+        while True:  # a fresh folder (a suffix of hex digits, see below)
+            tmp = run_dir / f"{name}.tmp-{secrets.randbits(40):x}"
             try:
                 tmp.mkdir()
                 break
@@ -147,8 +137,8 @@ def save(trainer, run_dir) -> Path:
         # Every rank writes into rank 0's temporary folder: its random suffix is broadcast
         # (as a number, through the trainer's collectives, so a dead rank 0 is an error
         # within timeout_s, not a hang).
-        suffix = par.broadcast_int(0 if tmp is None else int(tmp.name.rsplit("-", 1)[1], 36))
-        tmp = run_dir / f"{name}.tmp-{_base36(suffix)}"
+        suffix = par.broadcast_int(0 if tmp is None else int(tmp.name.rsplit("-", 1)[1], 16))
+        tmp = run_dir / f"{name}.tmp-{suffix:x}"
         _save_sharded(trainer, tmp)
         par.barrier()
     if par.rank == 0:

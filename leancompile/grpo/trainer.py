@@ -346,26 +346,20 @@ class GRPOTrainer:
                 return {f"policy.{n}": p.new_zeros(shapes[n])
                         for n, p in self.policy.named_parameters() if "lora_B" in n}
             # parallel="fsdp": the policy's trainable parameters are (or are about to be)
-            # parts, so the reference names every one of them at full size. lora_A's value
-            # does not matter once lora_B is 0; any other trainable weight would have to be
-            # gathered for every reference call.
-            others = [n for n in self.trainable if "lora_" not in n]
-            if others:
-                raise ValueError(
-                    f"reference='adapter' with parallel='fsdp': trainable parameters outside "
-                    f"the LoRA adapters ({others[:4]}{' ...' if len(others) > 4 else ''}) are "
-                    "sharded, and the adapter reference would need them gathered on every "
-                    "reference call; use reference='copy' (a full copy on every rank) or "
-                    "freeze them")
-            # lora_B = 0 zeroes an adapter whatever its lora_A; any other adapter parameter
-            # (DoRA's magnitude vectors) changes the layer even then.
+            # parts, so the reference names every one of them at full size. Zero lora_B
+            # cancels an adapter whatever its lora_A; any other trainable parameter (a
+            # weight outside the adapters, DoRA's magnitude vectors) would have to be gathered
+            # for every reference call.
             zeroed = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
             other = [n for n in self.trainable if not any(z in n for z in zeroed)]
             if other:
                 raise ValueError(
-                    f"reference='adapter' with parallel='fsdp': {other[:4]} are adapter "
-                    "parameters that zero lora_B does not cancel (DoRA's magnitude vectors); "
-                    "use reference='copy'")
+                    f"reference='adapter' with parallel='fsdp': {other[:4]}"
+                    f"{' ...' if len(other) > 4 else ''} are trainable parameters that zero "
+                    "lora_B does not cancel (weights outside the LoRA adapters, DoRA's "
+                    "magnitude vectors); they are sharded and the reference would need them "
+                    "gathered on every reference call: use reference='copy' (a full copy on "
+                    "every rank) or freeze them")
             params = dict(self.policy.named_parameters())
             return {f"policy.{n}": params[n].new_zeros(shapes[n]) for n in self.trainable}
         held = getattr(self.policy, "_leancompile_sharding", None)

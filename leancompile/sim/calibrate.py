@@ -29,7 +29,7 @@ from .devices import DeviceProfile
 __all__ = ["calibrate_cpu_gloo"]
 
 
-def _best(fn, repeats: int) -> float:
+def _median(fn, repeats: int) -> float:
     """Seconds per call of ``fn``, run by every rank at once: each sample repeats it for at
     least 20 ms (so that ranks sharing cores share them during the sample, as they do in a
     step); the median of ``repeats`` samples."""
@@ -74,32 +74,31 @@ def calibrate_cpu_gloo(*, repeats: int = 5) -> DeviceProfile:
     for n in (128, 768):
         a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
         flops = 2 * n ** 3
-        rates.append((flops, flops / _mean(_best(lambda: a @ b, repeats))))
+        rates.append((flops, flops / _mean(_median(lambda: a @ b, repeats))))
     (f1, r1), (f2, r2) = rates
-    inv_p, h_over_p = _fit(1 / f2, 1 / r2, 1 / f1, 1 / r1)
+    inv_p, h_over_p = _fit(1 / f2, 1 / r2, 1 / f1, 1 / r1)  # 1 / P, t0
     peak = 1 / inv_p if inv_p > 0 else r2
-    half = h_over_p * peak
 
     big = [torch.randn(2 * 2**20, generator=g) for _ in range(2)]  # an activation's size
-    bandwidth = 3 * big[0].numel() * 4 / _mean(_best(lambda: big[0].add(big[1]), repeats))
+    bandwidth = 3 * big[0].numel() * 4 / _mean(_median(lambda: big[0].add(big[1]), repeats))
     one = torch.ones(1)
-    overhead = _mean(_best(lambda: one.add(one), 50))
+    overhead = _mean(_median(lambda: one.add(one), 50))
 
     def exchange(t):
         return wait_exchange(start_exchange(t, t.shape, (rank + 1) % world,
                                             (rank - 1) % world, group))
 
     small, large = torch.randn(256, generator=g), torch.randn(2**20, generator=g)
-    t_small = _mean(_best(lambda: exchange(small), repeats))
-    t_large = _mean(_best(lambda: exchange(large), repeats))
+    t_small = _mean(_median(lambda: exchange(small), repeats))
+    t_large = _mean(_median(lambda: exchange(large), repeats))
     latency, per_byte = _fit(small.numel() * 4, t_small, large.numel() * 4, t_large)
 
     def gather(t):
         out = t.new_empty(world * t.numel())
         dist.all_gather_into_tensor(out, t)
 
-    g_small = _mean(_best(lambda: gather(small), repeats))
-    g_large = _mean(_best(lambda: gather(large), repeats))
+    g_small = _mean(_median(lambda: gather(small), repeats))
+    g_large = _mean(_median(lambda: gather(large), repeats))
     _, gather_per_byte = _fit(small.numel() * 4, g_small / (world - 1),
                               large.numel() * 4, g_large / (world - 1))
 
@@ -109,8 +108,8 @@ def calibrate_cpu_gloo(*, repeats: int = 5) -> DeviceProfile:
 
     wide_small = torch.randn(world * small.numel(), generator=g)
     wide_large = torch.randn(world * large.numel(), generator=g)
-    r_small = _mean(_best(lambda: reduce_scatter(wide_small), repeats))
-    r_large = _mean(_best(lambda: reduce_scatter(wide_large), repeats))
+    r_small = _mean(_median(lambda: reduce_scatter(wide_small), repeats))
+    r_large = _mean(_median(lambda: reduce_scatter(wide_large), repeats))
     _, reduce_per_byte = _fit(small.numel() * 4, r_small / (world - 1),
                               large.numel() * 4, r_large / (world - 1))
 
@@ -118,7 +117,7 @@ def calibrate_cpu_gloo(*, repeats: int = 5) -> DeviceProfile:
     # three timed in turns, several times.
     n = min((256, 384, 512, 768, 1024), key=lambda m: abs(2 * m ** 3 / peak - t_large))
     a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-    t_mm = _mean(_best(lambda: a @ b, 2 * repeats))
+    t_mm = _mean(_median(lambda: a @ b, 2 * repeats))
 
     def both():
         pending = start_exchange(large, large.shape, (rank + 1) % world, (rank - 1) % world,
@@ -126,8 +125,8 @@ def calibrate_cpu_gloo(*, repeats: int = 5) -> DeviceProfile:
         a @ b
         wait_exchange(pending)
 
-    t_both = _mean(_best(both, 2 * repeats))
-    t_large = _mean(_best(lambda: exchange(large), 2 * repeats))
+    t_both = _mean(_median(both, 2 * repeats))
+    t_large = _mean(_median(lambda: exchange(large), 2 * repeats))
     overlap = (t_mm + t_large - t_both) / min(t_mm, t_large)
     threads = torch.get_num_threads()
     cpus = os.cpu_count() or 1
@@ -136,7 +135,7 @@ def calibrate_cpu_gloo(*, repeats: int = 5) -> DeviceProfile:
         link_bandwidth=1 / per_byte, link_latency=latency,
         collective_bandwidth=1 / gather_per_byte, reduce_bandwidth=1 / reduce_per_byte,
         memory_bytes=_memory_bytes(),
-        kernel_overhead=overhead, matmul_efficiency=1.0, matmul_overhead=max(half / peak, 0.0),
+        kernel_overhead=overhead, matmul_efficiency=1.0, matmul_overhead=h_over_p,
         comm_compute_overlap=min(max(overlap, 0.0), 1.0), symmetric_memory=False,
         sources={"flops": f"measured: fp32 matmuls of 128^3 and 768^3 with {threads} "
                           f"thread(s) per rank, {world} ranks on {cpus} CPUs",
