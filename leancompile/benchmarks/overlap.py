@@ -47,6 +47,27 @@ def _layer(world, seq, dim, hidden):
     return layer, [w1, w2]
 
 
+def _layer_step(layer, params, x, **options):
+    """``layer`` compiled by leancompile with ``options`` (``aot_eager``) and a function that
+    runs one forward + backward of it on ``x`` (loss: sum of squares) and returns the output
+    and the gradients of ``x`` and ``params`` (taken out of ``.grad``)."""
+    import leancompile
+
+    compiled = torch.compile(layer, backend=leancompile.backend(compiler="aot_eager",
+                                                                **options))
+
+    def step():
+        y = compiled(x)
+        y.square().sum().backward()
+        values = [y.detach()] + [t.grad for t in [x] + list(params)]
+        x.grad = None
+        for p in params:
+            p.grad = None
+        return values
+
+    return step
+
+
 def _worker(rank, world, init, out, cfg):
     import faulthandler
 
@@ -62,19 +83,7 @@ def _worker(rank, world, init, out, cfg):
     results, reference = {}, None
     for name, options in SCHEMES.items():
         torch._dynamo.reset()
-        compiled = torch.compile(layer, backend=leancompile.backend(compiler="aot_eager",
-                                                                    **options))
-
-        def step():
-            y = compiled(x)
-            y.square().sum().backward()
-            grads = [x.grad] + [p.grad for p in params]
-            values = [y.detach()] + [g.clone() for g in grads]
-            x.grad = None
-            for p in params:
-                p.grad = None
-            return values
-
+        step = _layer_step(layer, params, x, **options)
         values = step()  # compile
         times = []
         for _ in range(cfg["iters"]):

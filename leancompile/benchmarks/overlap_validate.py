@@ -30,7 +30,7 @@ SCHEMES = {
 
 def _worker(rank, world, init, out, cfg):
     import leancompile
-    from .overlap import _layer
+    from .overlap import _layer, _layer_step
 
     from ..sim.calibrate import calibrate_cpu_gloo
     from ..sim.simulate import simulate
@@ -42,21 +42,10 @@ def _worker(rank, world, init, out, cfg):
     torch.manual_seed(1 + rank)
     x = torch.randn(cfg["seq"] // world, cfg["dim"], requires_grad=True)
 
-    def loss(y):
-        return y.square().sum()
-
     results = {}
     for name, options in SCHEMES.items():
         torch._dynamo.reset()
-        compiled = torch.compile(layer, backend=leancompile.backend(compiler="aot_eager",
-                                                                    **options))
-
-        def step():
-            loss(compiled(x)).backward()
-            x.grad = None
-            for p in params:
-                p.grad = None
-
+        step = _layer_step(layer, params, x, **options)
         step()
         # The graphs that ran: the compile's report holds them as the passes left them.
         predicted = simulate(leancompile.last_report(), profile, world_size=world)

@@ -98,22 +98,14 @@ def _overlap_worker(rank, world, init, out, cfg):
 
     from ..sim.calibrate import calibrate_cpu_gloo
     from ..sim.simulate import simulate
-    from .overlap import _layer
+    from .overlap import _layer, _layer_step
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     profile = calibrate_cpu_gloo(repeats=3)
     layer, params = _layer(world, cfg["seq"], cfg["dim"], cfg["hidden"])
     x = torch.randn(cfg["seq"] // world, cfg["dim"], requires_grad=True)
-    compiled = torch.compile(layer, backend=leancompile.backend(compiler="aot_eager",
-                                                                overlap="flash"))
-
-    def step():
-        compiled(x).square().sum().backward()
-        x.grad = None
-        for p in params:
-            p.grad = None
-
+    step = _layer_step(layer, params, x, overlap="flash")
     step()
     report = leancompile.last_report()
     step()
