@@ -326,6 +326,9 @@ class _State:
         self.buffer_bytes = 0
         self.budget = 0
         self.reached = False
+        self.grad_mode = False
+        """Whether the caller had gradients enabled (the compiled entry always runs with them
+        on: ``LeanStep.__call__``)."""
         self.schedule = config.schedule
         self.samples = None
         self.current_samples: list[int] | None = None
@@ -444,7 +447,7 @@ class _GraphRuntime:
         state.reached = True
         state.graphs_called.append(self.g)
         args = list(args)
-        grad = torch.is_grad_enabled()
+        grad = state.grad_mode
         if state.phase == "plan":  # compiled, not run: outputs of the right metadata
             return self._finish(_empty_outputs(self.g), args)
         if state.phase == "rollout" and state.current is not None and self.g.trainable:
@@ -1420,8 +1423,15 @@ class LeanStep:
             state.current_samples = _sample_ids(state.samples, state.call_index, batch)
             state.call_index += 1
         state.reached = False
+        # Dynamo traces the step with gradients on whatever the caller's mode: under no_grad it
+        # would inline a custom autograd.Function's forward, and the graphs captured from that
+        # trace would differentiate the forward's ops instead of using the Function's backward
+        # (Retain and Reweight would silently get other gradients than Recompute). The runtime
+        # reads the caller's mode from the state; a no-grad call still runs no autograd.
+        state.grad_mode = torch.is_grad_enabled()
         try:
-            out = self._compiled(*args, **kwargs)
+            with torch.enable_grad():
+                out = self._compiled(*args, **kwargs)
         finally:
             state.current = None
             state.current_samples = None
