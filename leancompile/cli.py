@@ -97,7 +97,9 @@ def _cmd_explain(ns) -> int:
 def _cmd_demo(ns) -> int:
     from .demos import run_demo
 
-    return run_demo(ns.name, out=ns.out)
+    if ns.sp and ns.name != "overlap":
+        raise SystemExit("--sp goes with `leancompile demo overlap` (the sequence-parallel DiT)")
+    return run_demo(ns.name, out=ns.out, sp=ns.sp)
 
 
 def _cmd_check_inputs(ns) -> int:
@@ -158,6 +160,9 @@ def main(argv=None) -> int:
     d.add_argument("name", nargs="?", default="grpo",
                    choices=("grpo", "loop", "explain", "overlap"))
     d.add_argument("--out", default="leancompile-out", help="output folder")
+    d.add_argument("--sp", action="store_true",
+                   help="overlap demo: a Ulysses sequence-parallel FLUX instead of the TP+SP "
+                        "block")
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="run a benchmark (leancompile bench grpo --help)",

@@ -42,3 +42,23 @@ def test_demo_overlap_losses_agree():
     assert "losses agree (rel 1e-5): yes" in proc.stdout
     assert "graph0_forward: 4 rewritten" in proc.stdout
     assert "graph0_backward: 6 rewritten" in proc.stdout
+
+
+def test_bench_overlap_ulysses_case(capsys):
+    assert bench_main(["--case", "ulysses", "--nproc", "2", "--seq", "64", "--dim", "32",
+                       "--heads", "4", "--iters", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["case"] == "ulysses"
+    schemes = report["schemes"]
+    assert set(schemes) == {"sequential", "flash"}
+    # Query and output all-to-all in the forward, grad_out and grad_query in the backward.
+    assert schemes["flash"]["rewritten_sites"] == 4 and schemes["flash"]["max_abs_diff"] <= 1e-5
+
+
+def test_demo_overlap_sequence_parallel_losses_agree():
+    proc = subprocess.run([sys.executable, "-m", "leancompile.cli", "demo", "overlap", "--sp"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "losses agree (rel 1e-5): yes" in proc.stdout
+    assert "graph0_forward: 4 rewritten" in proc.stdout
+    assert "graph0_backward: 4 rewritten" in proc.stdout

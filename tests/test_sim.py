@@ -159,7 +159,7 @@ def test_strict_passes_a_fully_rewritten_graph_and_names_every_collective_left()
     message = str(info.value)
     assert "keeps 2 collective(s)" in message
     assert "all_gather_into_tensor" in message and "flash_overlap: " in message
-    assert "all_reduce.default is not an all-gather or a reduce-scatter" in message
+    assert "all_reduce.default is not an all-gather, reduce-scatter or all-to-all" in message
     with pytest.raises(ValueError, match="strict=True checks that the overlap pass"):
         leancompile.CompileOptions(strict=True)
 

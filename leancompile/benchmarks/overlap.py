@@ -1,7 +1,10 @@
 """``leancompile bench overlap --nproc 2|4``: one tensor+sequence-parallel MLP layer, forward and
 backward, compiled without the pass (sequential), with ``overlap="slice"``, ``"flash"`` (ring)
 and ``"flash"`` with ``variant="direct"``, timed in one run on gloo; ratios to sequential and
-the largest difference of outputs and gradients from sequential's.
+the largest difference of outputs and gradients from sequential's. ``--case ulysses``: one
+Ulysses sequence-parallel attention layer (QKV projection, all-to-alls, attention, output
+projection; ``--dim`` split into ``--heads`` heads), sequential against ``"flash"`` (query-split
+attention).
 
 On a 2-core CPU machine the ranks share the cores and gloo's transfers are memory copies, so no
 overlap gain is expected here: the numbers show correctness and the overhead of the decomposed
@@ -47,6 +50,27 @@ def _layer(world, seq, dim, hidden):
     return layer, [w1, w2]
 
 
+def _ulysses_layer(world, seq, dim, heads):
+    """One self-attention layer over a sequence split across the ranks (Ulysses)."""
+    from ..integrations.sequence_parallel import ulysses_attention
+
+    torch.manual_seed(0)
+    wqkv = (torch.randn(dim, 3 * dim) / dim ** 0.5).requires_grad_()
+    wo = (torch.randn(dim, dim) / dim ** 0.5).requires_grad_()
+    group = dist.group.WORLD
+
+    def attention(q, k, v):  # [B, S, H, D] in and out
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                              v.transpose(1, 2)).transpose(1, 2)
+
+    def layer(x):
+        s = x.shape[0]
+        q, k, v = (x @ wqkv).view(1, s, 3, heads, dim // heads).unbind(2)
+        return ulysses_attention(q, k, v, group, attention).reshape(s, dim) @ wo
+
+    return layer, [wqkv, wo]
+
+
 def _layer_step(layer, params, x, **options):
     """``layer`` compiled by leancompile with ``options`` (``aot_eager``) and a function that
     runs one forward + backward of it on ``x`` (loss: sum of squares) and returns the output
@@ -77,11 +101,14 @@ def _worker(rank, world, init, out, cfg):
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    layer, params = _layer(world, cfg["seq"], cfg["dim"], cfg["hidden"])
+    ulysses = cfg.get("case") == "ulysses"
+    layer, params = (_ulysses_layer(world, cfg["seq"], cfg["dim"], cfg["heads"]) if ulysses else
+                     _layer(world, cfg["seq"], cfg["dim"], cfg["hidden"]))
     torch.manual_seed(1 + rank)
     x = torch.randn(cfg["seq"] // world, cfg["dim"], requires_grad=True)
     results, reference = {}, None
-    for name, options in SCHEMES.items():
+    schemes = {k: SCHEMES[k] for k in ("sequential", "flash")} if ulysses else SCHEMES
+    for name, options in schemes.items():
         torch._dynamo.reset()
         step = _layer_step(layer, params, x, **options)
         values = step()  # compile
@@ -114,10 +141,14 @@ def _worker(rank, world, init, out, cfg):
 
 
 def run(nproc: int = 2, seq: int = 2048, dim: int = 512, hidden: int = 2048,
-        iters: int = 5) -> dict:
+        iters: int = 5, *, case: str = "mlp", heads: int = 8) -> dict:
     if seq % nproc or hidden % nproc:
         raise ValueError(f"seq={seq} and hidden={hidden} must be divisible by nproc={nproc}")
-    cfg = {"seq": seq, "dim": dim, "hidden": hidden, "iters": iters}
+    if case == "ulysses" and (heads % nproc or dim % heads):
+        raise ValueError(f"--case ulysses: heads={heads} must be divisible by nproc={nproc} "
+                         f"and dim={dim} by heads")
+    cfg = {"seq": seq, "dim": dim, "hidden": hidden, "iters": iters, "case": case,
+           "heads": heads}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         mp.spawn(_worker, args=(nproc, os.path.join(tmp, "init"), out, cfg), nprocs=nproc,
@@ -136,6 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--heads", type=int, default=8, help="--case ulysses: attention heads")
     sim = p.add_argument_group("simulated (leancompile/sim): the block at full size on a "
                                "device profile, no GPU needed")
     sim.add_argument("--simulate", action="store_true",
@@ -146,10 +178,13 @@ def main(argv=None) -> int:
     sim.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     sim.add_argument("--backward", action="store_true", help="forward and backward")
     sim.add_argument("--slices", default="2,4,8", help="chunks of the slicing baseline")
-    sim.add_argument("--case", default="mlp", choices=("mlp", "llama-tp", "fsdp-mlp"),
+    sim.add_argument("--case", default="mlp",
+                     choices=("mlp", "llama-tp", "fsdp-mlp", "ulysses"),
                      help="mlp: the FlashOverlap paper's TP+SP MLP; llama-tp: a Llama block "
                           "under TP+SP; fsdp-mlp: an MLP with all-gathered weights (--tp is "
-                          "then the data-parallel world, --shape one rank's batch)")
+                          "then the data-parallel world, --shape one rank's batch); ulysses: "
+                          "a Ulysses sequence-parallel attention layer (measured on gloo "
+                          "only, not simulated)")
     sim.add_argument("--validate", action="store_true",
                      help="calibrate cpu-gloo here, then simulated vs measured per scheme on "
                           "2 and 4 gloo ranks")
@@ -157,13 +192,21 @@ def main(argv=None) -> int:
     if ns.validate:
         return _validated(ns)
     if ns.simulate:
+        if ns.case == "ulysses":
+            p.error("--case ulysses is measured on gloo only; the simulator does not model "
+                    "all-to-alls yet")
         return _simulated(ns)
-    report = run(ns.nproc, ns.seq, ns.dim, ns.hidden, ns.iters)
+    if ns.case not in ("mlp", "ulysses"):
+        p.error(f"--case {ns.case} is simulated only (add --simulate)")
+    report = run(ns.nproc, ns.seq, ns.dim, ns.hidden, ns.iters, case=ns.case, heads=ns.heads)
     if ns.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"TP+SP MLP layer, {ns.nproc} ranks (gloo, CPU), seq {ns.seq}, dim {ns.dim}, "
-              f"hidden {ns.hidden}; forward + backward, median of {ns.iters}")
+        print(f"Ulysses attention layer, {ns.nproc} ranks (gloo, CPU), seq {ns.seq}, dim "
+              f"{ns.dim}, {ns.heads} heads" if ns.case == "ulysses" else
+              f"TP+SP MLP layer, {ns.nproc} ranks (gloo, CPU), seq {ns.seq}, dim {ns.dim}, "
+              f"hidden {ns.hidden}", end="")
+        print(f"; forward + backward, median of {ns.iters}")
         print(f"{'scheme':12s} {'seconds':>9s} {'ratio':>7s} {'sites':>6s} {'max |diff|':>11s}")
         for name, e in report["schemes"].items():
             print(f"{name:12s} {e['total_s']:9.4f} {e['ratio_to_sequential']:7.3f} "

@@ -7,7 +7,7 @@ __all__ = ["run_demo", "DEMOS"]
 DEMOS = ("grpo", "loop", "explain", "overlap")
 
 
-def run_demo(name: str, *, out: str) -> int:
+def run_demo(name: str, *, out: str, sp: bool = False) -> int:
     if name == "explain":
         from .explain_demo import main
 
@@ -23,5 +23,5 @@ def run_demo(name: str, *, out: str) -> int:
     if name == "overlap":
         from .overlap_demo import main
 
-        return main()
+        return main(sp=sp)
     raise ValueError(f"unknown demo {name!r}; the demos are {DEMOS}")

@@ -2,7 +2,9 @@
 CPU), trained a few steps compiled without and with ``overlap="flash"``; prints the sites the
 pass rewrote in the forward and backward graphs and that the losses agree.
 
-``leancompile demo overlap`` launches ``torchrun --nproc_per_node 2`` on this module.
+``leancompile demo overlap`` launches ``torchrun --nproc_per_node 2`` on this module;
+``leancompile demo overlap --sp`` runs the same comparison on a Ulysses sequence-parallel
+diffusers FLUX transformer (``parallelize_ulysses``), whose attentions the pass splits by query.
 """
 
 from __future__ import annotations
@@ -67,7 +69,58 @@ def _train(block, x, target, backend, steps):
     return losses
 
 
-def _worker(steps: int = 3) -> int:
+def _sp_flux():
+    """A small random-init FLUX transformer (4 heads), made Ulysses sequence parallel."""
+    from diffusers import FluxTransformer2DModel
+
+    from ..integrations.diffusers import parallelize_ulysses
+
+    torch.manual_seed(0)  # the same initial weights on every rank and for both runs
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=64,
+        axes_dims_rope=[4, 6, 6], guidance_embeds=True)
+    parallelize_ulysses(model)
+    return model
+
+
+class _SequenceParallelStep(nn.Module):
+    """FLUX's velocity on 16x16 packed latents (256 tokens) and 32 text tokens; every rank
+    passes the whole batch and computes 1/N of the tokens."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        g = torch.Generator().manual_seed(1)
+        side = 16
+        ids = torch.zeros(side * side, 3)
+        ids[:, 1] = torch.arange(side).repeat_interleave(side)
+        ids[:, 2] = torch.arange(side).repeat(side)
+        self.inputs = dict(encoder_hidden_states=torch.randn(1, 32, 64, generator=g),
+                           pooled_projections=torch.randn(1, 64, generator=g),
+                           timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]),
+                           img_ids=ids, txt_ids=torch.zeros(32, 3))
+
+    def forward(self, x):
+        return self.model(hidden_states=x, **self.inputs, return_dict=False)[0]
+
+
+def _train_sp(step, x, target, backend, steps):
+    compiled = torch.compile(step, backend=backend)
+    optimizer = torch.optim.SGD(step.parameters(), lr=0.05)
+    sp = step.model._leancompile_sequence_parallel
+    losses = []
+    for _ in range(steps):
+        loss = (compiled(x) - target).square().mean()  # the same on every rank
+        loss.backward()
+        sp.sync_grads()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _worker(steps: int = 3, sp: bool = False) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -79,18 +132,27 @@ def _worker(steps: int = 3) -> int:
     torch.manual_seed(1 + rank)
     x = torch.randn(2, 32 // world, 64)          # this rank's sequence shard
     target = torch.randn(2, 32 // world, 64)
+    if sp:  # every rank the whole batch; the model splits the tokens
+        g = torch.Generator().manual_seed(2)
+        x, target = torch.randn(1, 256, 16, generator=g), torch.randn(1, 256, 16, generator=g)
     runs, reports = {}, {}
     for name, options in (("without pass", {}), ("overlap=flash", {"overlap": "flash"})):
         torch._dynamo.reset()
         torch.manual_seed(0)  # the same initial weights for both runs
-        block = parallelize_block(Block(), mesh)
         backend = leancompile.backend(compiler="aot_eager", **options)
-        runs[name] = _train(block, x, target, backend, steps)
+        if sp:
+            runs[name] = _train_sp(_SequenceParallelStep(_sp_flux()), x, target, backend,
+                                   steps)
+        else:
+            block = parallelize_block(Block(), mesh)
+            runs[name] = _train(block, x, target, backend, steps)
         reports[name] = leancompile.last_report()
     ok = all(abs(a - b) <= 1e-5 * max(1.0, abs(b))
              for a, b in zip(runs["overlap=flash"], runs["without pass"]))
     if rank == 0:
-        print(f"TP+SP transformer block on {world} ranks (gloo, CPU)")
+        print(f"Ulysses sequence-parallel FLUX (1+1 blocks, 4 heads, 256 image + 32 text "
+              f"tokens) on {world} ranks (gloo, CPU)" if sp else
+              f"TP+SP transformer block on {world} ranks (gloo, CPU)")
         report = reports["overlap=flash"]
         for record in report.graphs:
             (result,) = [p for p in record.passes if p.name == "flash_overlap"]
@@ -106,13 +168,13 @@ def _worker(steps: int = 3) -> int:
     return 0 if ok else 1
 
 
-def main(*, nproc: int = 2) -> int:
-    """Launch torchrun on this module (on CPU, gloo)."""
+def main(*, nproc: int = 2, sp: bool = False) -> int:
+    """Launch torchrun on this module (on CPU, gloo); ``sp``: the sequence-parallel FLUX."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_port=29531", "-m",
-           "leancompile.demos.overlap_demo"]
+           "leancompile.demos.overlap_demo"] + (["--sp"] if sp else [])
     return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 if __name__ == "__main__":
-    sys.exit(_worker())
+    sys.exit(_worker(sp="--sp" in sys.argv[1:]))

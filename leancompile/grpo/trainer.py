@@ -278,6 +278,23 @@ class GRPOTrainer:
             raise ValueError("the policy has no parameter with requires_grad=True")
         self.parallel = DataParallel(parallel, process_group, group_size=config.group_size,
                                      timeout_s=timeout_s)
+        self.sequence_parallel = _sequence_parallel_of(policy)
+        """The ``SequenceParallel`` of a transformer in ``policy`` made sequence parallel with
+        ``leancompile.integrations.diffusers.parallelize_ulysses`` (None if not): every rank of
+        its group runs the same rows on its part of the tokens, and the update sums the
+        parameter gradients over the group."""
+        if self.sequence_parallel is not None:
+            if self.parallel.distributed:
+                raise NotImplementedError(
+                    f"parallel={parallel!r} with a sequence-parallel policy: data parallelism "
+                    "over groups of sequence-parallel ranks is not supported yet. Use "
+                    "parallel=None: the ranks of the sequence-parallel group share every row.")
+            if config.schedule == "reweight":
+                raise ValueError(
+                    "schedule='reweight' with a sequence-parallel policy: Reweight's per-sample "
+                    "gradients batch the step's backward graph with vmap, which cannot batch "
+                    "its all-to-alls. Use schedule='retain', 'recompute' or 'auto' (which then "
+                    "chooses between those two).")
         self.step_count = 0
         """Optimizer steps taken by ``step`` (saved and restored by checkpoints)."""
         if self.parallel.distributed:
@@ -500,6 +517,10 @@ class GRPOTrainer:
                 partitioner_budget=partitioner_budget, reweight_rows=rows), graph
 
         plans, graph = plans_for(None)
+        if self.sequence_parallel is not None:
+            plans["reweight"] = dataclasses.replace(
+                plans["reweight"], fits=False, seconds=None,
+                note="not with a sequence-parallel policy (vmap cannot batch all-to-alls)")
         if graph.random_ops and schedule != "recompute":
             dropouts = [f"{name} ({type(m).__name__}, p={m.p})"
                         for name, m in self.policy.named_modules()
@@ -868,6 +889,16 @@ class GRPOTrainer:
         return float(norm)
 
 
+def _sequence_parallel_of(policy: nn.Module):
+    """The ``SequenceParallel`` of a submodule of ``policy``, if one was parallelized."""
+    found = {id(sp): sp for m in policy.modules()
+             if (sp := getattr(m, "_leancompile_sequence_parallel", None)) is not None}
+    if len(found) > 1:
+        raise NotImplementedError("the policy holds several sequence-parallel models; one is "
+                                  "supported")
+    return next(iter(found.values()), None)
+
+
 def _gather_order(gm) -> list:
     """The shapes gathered by the all-gathers of a graph, in order."""
     out = []
@@ -925,6 +956,9 @@ class PendingUpdate:
             p.grad = None
         with record_function("leancompile.sync"):
             self.sync = self.trainer.parallel.sync_gradients(grads)
+            sp = self.trainer.sequence_parallel
+            if sp is not None:
+                self.sync = sp.sum_grads(grads)
             if self.trainer.sharding is not None:
                 self.sync = self._fsdp_reductions(grads, deferred=deferred)
         return grads

@@ -62,7 +62,11 @@ try:  # diffusers >= 0.33
 except ImportError:  # pragma: no cover - WanPolicy explains at construction
     WanTransformer3DModel = None
 
+from .sequence_parallel import SequenceParallel, parallelize_ulysses  # noqa: E402
+
 __all__ = [
+    "parallelize_ulysses",
+    "SequenceParallel",
     "FluxPolicy",
     "SD3Policy",
     "WanPolicy",

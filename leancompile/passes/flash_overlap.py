@@ -60,6 +60,8 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .flash_all_to_all import (A2A_SITE, ALL_TO_ALL, ATTENTION_SITE, find_all_to_all_matches,
+                               rewrite_attention)
 from .flash_overlap_match import (_SAME_LAYOUT, AG_SITE, RS_SITE, AllGatherMatch,
                                   ReduceScatterMatch, _same_shape, find_all_gather_matches,
                                   find_reduce_scatter_matches, is_backward_graph)
@@ -71,7 +73,7 @@ __all__ = ["flash_overlap_pass", "rewrite_all_gather", "rewrite_reduce_scatter",
 log = logging.getLogger("leancompile")
 
 NAME = "flash_overlap"
-VERSION = 3
+VERSION = 4
 
 aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -824,11 +826,14 @@ def _rewrite_graph(gm: fx.GraphModule, options, result: PassResult, failed: dict
     handled = (torch.ops._c10d_functional.all_gather_into_tensor.default,
                torch.ops._c10d_functional.reduce_scatter_tensor.default)
     for node in collectives:
-        if node.target not in handled:
-            result.skip(node, "collective", f"{node.target} is not an all-gather or a "
-                        "reduce-scatter; FlashOverlap leaves it to the backend")
+        if node.target is ALL_TO_ALL and overlap == "slice":
+            result.skip(node, A2A_SITE, "overlap='slice' has no all-to-all schedule; use "
+                        "overlap='flash' for query-split Ulysses attention")
+        elif node.target not in handled and node.target is not ALL_TO_ALL:
+            result.skip(node, "collective", f"{node.target} is not an all-gather, "
+                        "reduce-scatter or all-to-all; FlashOverlap leaves it to the backend")
     if _WHOLE_GRAPH in failed:
-        _skip_all(graph, collectives, handled, result, failed[_WHOLE_GRAPH])
+        _skip_all(graph, collectives, handled, result, failed[_WHOLE_GRAPH], overlap)
         _insert_probes(graph, result, overlap)
         return
     on_err = "raise" if raise_errors else "skip"
@@ -862,6 +867,15 @@ def _rewrite_graph(gm: fx.GraphModule, options, result: PassResult, failed: dict
             rewrite_reduce_scatter(gm, match, chunks_per_rank=m,
                                    variant=options.flash_variant, overlap=overlap,
                                    chunks=options.slice_chunks, result=result)
+    if overlap == "flash":
+        for site in find_all_to_all_matches(graph, result, on_error=on_err):
+            name = site.query.all_to_all.name
+            if name in failed:
+                result.skip(site.query.all_to_all, ATTENTION_SITE, _failed_reason(failed[name]),
+                            local="error")
+                continue
+            with _attributed(name):
+                rewrite_attention(gm, site, result)
     with _attributed(_WHOLE_GRAPH):
         _insert_probes(graph, result, overlap)
         if result.rewritten:
@@ -891,10 +905,12 @@ def _failed_reason(message: str) -> str:
             "leancompile: please report it with explain()'s output)")
 
 
-def _skip_all(graph: fx.Graph, collectives, handled, result: PassResult, message: str) -> None:
+def _skip_all(graph: fx.Graph, collectives, handled, result: PassResult, message: str,
+              overlap: str) -> None:
     for node in collectives:
-        if node.target in handled:
-            kind = AG_SITE if "all_gather" in str(node.target) else RS_SITE
+        if node.target in handled or (node.target is ALL_TO_ALL and overlap == "flash"):
+            kind = (A2A_SITE if node.target is ALL_TO_ALL else
+                    AG_SITE if "all_gather" in str(node.target) else RS_SITE)
             result.skip(node, kind, _failed_reason(message), local="error")
 
 
