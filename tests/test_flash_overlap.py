@@ -325,6 +325,7 @@ def _compare(outs, base):
 def _worker(rank, world, init_file, out_dir, cases):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
+    torch.set_num_threads(1)  # the ranks share the machine's cores
     warnings_seen = []
 
     class Collect(logging.Handler):

@@ -304,3 +304,10 @@ def test_inductor_compiled_graphs_match_aot_eager():
                                            schedule=schedule)
         cos, rel = agreement(result.grads, base.grads)
         assert rel <= 1e-5, (schedule, rel)
+        # Retain and Reweight reuse the rollout's own forward: their ratios are exactly 1.
+        # Recompute's update forward is Inductor's grad graph and its rollout the inference
+        # graph, which may round differently (bounded, not zero).
+        if schedule == "recompute":
+            assert result.ratio_error is not None and result.ratio_error < 1e-4
+        else:
+            assert result.ratio_error == 0, (schedule, result.ratio_error)

@@ -413,3 +413,26 @@ def test_trainer_auto_on_a_device_takes_the_fastest_plan_that_fits():
     assert plain.explain(conditions).plans["retain"].seconds is None
     with pytest.raises(ValueError, match="not a built-in profile"):
         GRPOConfig(device="tpu-v9")
+
+
+def test_cpu_flash_attention_counts_its_flops():
+    """CPU graphs (and the Ulysses query-split rewrite, which keeps the CPU kernel) carry
+    ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, for which torch has no
+    FLOP formula: counted like CUDA's flash attention (4*B*H*S*S*D forward)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from leancompile.sim.simulate import _flops
+
+    def f(q, k, v):
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            out[0], q, k, v, out[0], out[1], 0.0, False)
+        return out[0], grads[0]
+
+    b, h, s, d = 1, 2, 64, 8
+    gm = make_fx(f)(*(torch.randn(b, h, s, d) for _ in range(3)))
+    flops = {str(n.target).split(".")[-2]: _flops(n) for n in gm.graph.nodes
+             if "attention" in str(n.target)}
+    assert flops["_scaled_dot_product_flash_attention_for_cpu"] == 4 * b * h * s * s * d
+    assert flops["_scaled_dot_product_flash_attention_for_cpu_backward"] > \
+        flops["_scaled_dot_product_flash_attention_for_cpu"]

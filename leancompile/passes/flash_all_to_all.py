@@ -253,14 +253,13 @@ def _match_attention(attention: fx.Node, by_wait: dict, by_input: dict) -> Atten
                      and u.args[1] == 0), None)
     if out_node is None:
         raise _Skip("the attention output is unused")
-    path = _path_to_all_to_all(out_node, by_input)
-    if path is None:
-        raise _Skip("the attention output does not reach an all-to-all through layout ops")
-    *out_chain, target = path
-    out = by_input[target]
+    out_chain = _path_to_all_to_all(out_node, by_input)
+    if out_chain is None:
+        raise _Skip("the attention output does not reach one all-to-all through layout ops")
+    out = by_input[out_chain[-1] if out_chain else out_node]
     if out.group_name != q.group_name or out.world != q.world:
         raise _Skip("the output all-to-all runs on another group than the query's")
-    out_dims = _track(out_chain, 2, q.world, "output", start=out_node)
+    out_dims = _track(out_chain, 2, q.world, "output")
     if (out_dims[-1] if out_dims else 2) != 0:
         raise _Skip("the attention output's sequence slices are not the pieces its "
                     "all-to-all sends (the query rows would go to the wrong ranks)")
@@ -282,27 +281,22 @@ def _depends_on(node: fx.Node, source: fx.Node) -> bool:
 
 
 def _path_to_all_to_all(start: fx.Node, by_input: dict) -> list[fx.Node] | None:
-    """Layout ops from ``start`` (excluded) to an all-to-all input (included), if exactly one
-    such path exists."""
-    found = []
+    """The layout ops from ``start`` (excluded) to an all-to-all's input (included; empty
+    when ``start`` is that input), if exactly one such path exists."""
+    found = [[]] if start in by_input else []
 
     def walk(node, path):
-        if node in by_input and node is not start:
-            found.append(path)
         for user in node.users:
             if user.op == "call_function" and user.target in _LAYOUT and user.args[0] is node:
+                if user in by_input:
+                    found.append(path + [user])
                 walk(user, path + [user])
 
     walk(start, [])
-    if start in by_input:
-        found.append([])
-    if len(found) != 1:
-        return None
-    path = found[0]
-    return path + [path[-1] if path else start]
+    return found[0] if len(found) == 1 else None
 
 
-def _track(chain, dim: int, world: int, what: str, start: fx.Node | None = None) -> list[int]:
+def _track(chain, dim: int, world: int, what: str) -> list[int]:
     """The dim holding the rank index (the outer factor of ``world``) after each node of
     ``chain``; ``_Skip`` when a node mixes it with other dims."""
     dims = []
@@ -392,7 +386,7 @@ def rewrite_attention(gm: fx.GraphModule, match: AttentionMatch, result: PassRes
             return (*outs, send)
 
         received, outputs, back = flash_all_to_all_compute(
-            x, compute, group_name=q.group_name, send_back=True, tag=_tag(graph))
+            x, compute, group_name=q.group_name, send_back=True)
         full = []
         for i, like in enumerate(likes):
             if like is None:
@@ -457,14 +451,6 @@ def _users_until(node: fx.Node, anchor: fx.Node, order: dict) -> set[fx.Node]:
         found.add(n)
         stack.extend(u for u in n.users if order.get(u, 1 << 60) < order[anchor])
     return found
-
-
-def _tag(graph: fx.Graph) -> int:
-    """A message tag base unique to this site within the graph (sites are rewritten one at a
-    time; each takes 2*N tags)."""
-    count = getattr(graph, "_leancompile_a2a_sites", 0)
-    graph._leancompile_a2a_sites = count + 1
-    return 1 << 20 | count << 8
 
 
 def _post_early(graph: fx.Graph, outs, anchor: fx.Node, world: int) -> None:

@@ -958,7 +958,7 @@ def _insert_probes(graph: fx.Graph, result: PassResult, overlap: str) -> None:
         node = nodes.get(site.node)
         if not site.local or node is None or node.target not in (
                 torch.ops._c10d_functional.all_gather_into_tensor.default,
-                torch.ops._c10d_functional.reduce_scatter_tensor.default):
+                torch.ops._c10d_functional.reduce_scatter_tensor.default, ALL_TO_ALL):
             continue
         x = node.args[0]
         group_name = node.args[-1]

@@ -59,7 +59,7 @@ def flash_all_to_all(x: Tensor, *, group_name: str, tag: int = 0) -> Tensor:
         return x.clone()
     pieces = _pieces(x, n, "flash_all_to_all")
     shape = tuple(pieces[0].shape)
-    posted = [(src, start_exchange(pieces[dst], shape, dst, src, group_name, tag=tag + i))
+    posted = [(src, start_exchange(pieces[dst], shape, dst, src, group_name, tag=tag + i - 1))
               for i, (dst, src) in enumerate(a2a_steps(rank, n), start=1)]
     out = {rank: pieces[rank]}
     for src, exchange in posted:
@@ -82,7 +82,10 @@ def flash_all_to_all_compute(x: Tensor, compute: Callable[[Tensor, int], tuple],
     pieces = _pieces(x, n, "flash_all_to_all_compute")
     steps = a2a_steps(rank, n)
     shape = tuple(pieces[0].shape)
-    posted = [start_exchange(pieces[dst], shape, dst, src, group_name, tag=tag + i)
+    # Tags: step i of the exchange i-1, of the return N-1+i-1 (per site, as the other
+    # schedules: messages of one pair and tag arrive in order). Step 1's hop and tag 0 are
+    # where a rank that left the site in place sends its probe (p2p.probe).
+    posted = [start_exchange(pieces[dst], shape, dst, src, group_name, tag=tag + i - 1)
               for i, (dst, src) in enumerate(steps, start=1)]
     received = {rank: pieces[rank]}
     outputs = {rank: tuple(compute(pieces[rank], rank))}
@@ -96,7 +99,7 @@ def flash_all_to_all_compute(x: Tensor, compute: Callable[[Tensor, int], tuple],
             send = outputs[src][-1]
             # Back to src (who sent this piece); from dst comes the piece it computed for us.
             returned.append((dst, start_exchange(send, tuple(send.shape), src, dst, group_name,
-                                                 tag=tag + n + i)))
+                                                 tag=tag + n - 1 + i - 1)))
     back = None
     if send_back:
         back = {rank: outputs[rank][-1]}

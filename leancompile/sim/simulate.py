@@ -55,7 +55,9 @@ _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "convolution",
             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
             "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
             "_scaled_dot_product_flash_attention_backward",
-            "_scaled_dot_product_efficient_attention_backward", "convolution_backward"}
+            "_scaled_dot_product_efficient_attention_backward", "convolution_backward",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention_for_cpu_backward"}
 _COLLECTIVES = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
                 "all_to_all_single", "broadcast", "all_gather_into_tensor_coalesced",
                 "reduce_scatter_tensor_coalesced", "all_reduce_coalesced"}
@@ -151,11 +153,23 @@ def _val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 
 
+# Ops torch has no FLOP formula for, counted with the formula of an op with the same leading
+# arguments (CPU flash attention: query, key, value; its backward: grad_out, query, key, value).
+_FLOPS_LIKE = {
+    "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu_backward":
+        "_scaled_dot_product_flash_attention_backward",
+}
+
+
 def _flops(node: fx.Node) -> float:
     from torch.utils.flop_counter import flop_registry
 
     packet = getattr(node.target, "overloadpacket", None)
     formula = flop_registry.get(packet)
+    like = _FLOPS_LIKE.get(_name(node))
+    if formula is None and like is not None:
+        formula = flop_registry.get(getattr(aten, like))
     if formula is None:
         return 0.0
     args = fx.node.map_arg(node.args, _val)
