@@ -536,6 +536,7 @@ def _run_compiled(rank, n, group_name, results):
 def _worker(rank, world_size, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)  # the ranks share the machine's cores
     results = {}
     try:
         group_name = dist.group.WORLD.group_name

@@ -223,6 +223,7 @@ def _worker(rank, init_file, out_dir, cases):
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.set_num_threads(1)  # the ranks share the machine's cores
     records = {}
     try:
         for spmd_backend, compiler in cases:
