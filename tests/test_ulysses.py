@@ -198,7 +198,7 @@ def _skips(rank, world):
     return out
 
 
-def _grpo(rank, world):
+def _grpo(rank, world, out_dir):
     """GRPO gradients of a sequence-parallel FLUX policy against one process's."""
     import sys
 
@@ -230,6 +230,10 @@ def _grpo(rank, world):
                     GRPOConfig(sde="flow_grpo", eta=0.9, group_size=2, schedule="reweight"))
     except ValueError as err:
         out["reweight"] = str(err)
+    # Every rank saves into one run folder (as a user's loop would): one rank writes.
+    trainer.optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    saved = trainer.save(os.path.join(out_dir, "run"))
+    out["saved"] = sorted(os.listdir(os.path.dirname(saved)))
     sp.undo()
     return out
 
@@ -238,13 +242,16 @@ def _worker(rank, world, init_file, out_dir, names, compiler, skips):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     torch.set_num_threads(1)  # the ranks share the machine's cores
+    # A cache hit would skip every post-grad pass, and so the report the checks read.
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     records = {}
     try:
         for name in names:
             records[name] = _case(name, rank, world, compiler)
         if skips:
             records["skips"] = _skips(rank, world)
-            records["grpo"] = _grpo(rank, world)
+            records["grpo"] = _grpo(rank, world, out_dir)
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(records, f)
@@ -297,6 +304,7 @@ def test_two_ranks(tmp_path):
             assert grpo[schedule]["rel"] <= 1e-5, (rank, grpo)
             assert grpo[schedule]["syncs"] == 1, grpo  # the sum over the group, once
         assert "vmap" in grpo["reweight"]
+        assert grpo["saved"] == ["latest", "step_00000000"], grpo["saved"]
 
 
 def test_four_ranks(tmp_path):

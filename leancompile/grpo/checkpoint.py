@@ -118,13 +118,17 @@ def _save_sharded(trainer, tmp: Path) -> None:
 def save(trainer, run_dir) -> Path:
     """Write the trainer's state as ``run_dir/step_K`` (K = steps taken) and point
     ``run_dir/latest`` at it; returns the checkpoint folder. Collective when data parallel
-    (``fsdp``: every rank writes its parts, into a folder all ranks must see)."""
+    (``fsdp``: every rank writes its parts, into a folder all ranks must see). With a
+    sequence-parallel policy, rank 0 of its group writes and the group waits for it."""
     run_dir = Path(run_dir)
     name = f"step_{trainer.step_count:08d}"
     final = run_dir / name
     par = trainer.parallel
+    # A sequence-parallel policy: every rank of its group holds the same state; one writes.
+    sp = getattr(trainer, "sequence_parallel", None)
+    writer = par.rank == 0 and (sp is None or sp.rank == 0)
     tmp = None
-    if par.rank == 0:
+    if writer:
         run_dir.mkdir(parents=True, exist_ok=True)
         while True:  # a fresh folder (a suffix of hex digits, see below)
             tmp = run_dir / f"{name}.tmp-{secrets.randbits(40):x}"
@@ -141,7 +145,7 @@ def save(trainer, run_dir) -> Path:
         tmp = run_dir / f"{name}.tmp-{suffix:x}"
         _save_sharded(trainer, tmp)
         par.barrier()
-    if par.rank == 0:
+    if writer:
         _write(trainer, tmp)
         if final.exists():  # saved twice at one step: keep the newest
             stale = final.with_name(f"{name}.old-{os.getpid()}")
@@ -154,6 +158,10 @@ def save(trainer, run_dir) -> Path:
         pointer.write_text(name)
         os.replace(pointer, run_dir / "latest")
     par.barrier()
+    if sp is not None:
+        import torch.distributed as dist
+
+        dist.barrier(group=sp.group)
     return final
 
 
