@@ -190,6 +190,15 @@ def _skips(rank, world):
     except NotImplementedError as err:
         out["no_plan"] = str(err)
     model = _flux()
+    sp = parallelize_ulysses(model)
+    inputs = _inputs("flux")
+    inputs["encoder_hidden_states"] = inputs["encoder_hidden_states"][:, :7]  # 7 text tokens
+    inputs["txt_ids"] = inputs["txt_ids"][:7]
+    try:
+        _call(model, "flux", inputs)
+    except ValueError as err:
+        out["tokens"] = str(err)
+    sp.undo()
     model.transformer_blocks[0].attn.heads = 3  # as if the model had 3 heads
     try:
         parallelize_ulysses(model)
@@ -297,6 +306,7 @@ def test_two_ranks(tmp_path):
     assert sum(kind == A2A_SITE for kind, _ in fwd) == 4, fwd  # nothing rewritten, all said
     assert "_cp_plan" in skips["no_plan"]
     assert "3 attention heads are not divisible by the 2 ranks" in skips["heads"]
+    assert "7 tokens, not divisible by the 2 ranks" in skips["tokens"]
     for rank, rec in enumerate(records):
         grpo = rec["grpo"]
         for schedule in ("recompute", "retain"):
@@ -317,3 +327,24 @@ def test_two_ranks_inductor(tmp_path):
     # the program without the pass, and Inductor's own fusions move the model off eager by
     # ~2e-5 with or without it).
     _check(run_ranks(tmp_path, 2, ["block"], compiler="inductor"), ["block"])
+
+
+def test_unknown_group_is_skipped_with_its_reason():
+    """An all-to-all on a group this process does not know (no process group here at all)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from leancompile.passes.flash_all_to_all import find_all_to_all_matches
+    from leancompile.passes.result import PassResult
+
+    c10d = torch.ops._c10d_functional
+
+    def f(q, k, v):
+        q = c10d.wait_tensor(c10d.all_to_all_single(q, [1, 1], [1, 1], "nope"))
+        o = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[0]
+        return c10d.wait_tensor(c10d.all_to_all_single(o, [1, 1], [1, 1], "nope"))
+
+    gm = make_fx(f, tracing_mode="fake")(*(torch.randn(2, 2, 4, 8) for _ in range(3)))
+    result = PassResult(name="flash_overlap")
+    assert find_all_to_all_matches(gm.graph, result) == []
+    reasons = [s.reason for s in result.skipped if s.kind == A2A_SITE]
+    assert len(reasons) == 2 and all("unknown group" in r for r in reasons), result.skipped
