@@ -125,8 +125,8 @@ def save(trainer, run_dir) -> Path:
     final = run_dir / name
     par = trainer.parallel
     # A sequence-parallel policy: every rank of its group holds the same state; one writes.
-    sp = getattr(trainer, "sequence_parallel", None)
-    writer = par.rank == 0 and (sp is None or sp.rank == 0)
+    sequence = trainer._sequence_sync
+    writer = par.rank == 0 and (sequence is None or sequence.rank == 0)
     tmp = None
     if writer:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -158,10 +158,8 @@ def save(trainer, run_dir) -> Path:
         pointer.write_text(name)
         os.replace(pointer, run_dir / "latest")
     par.barrier()
-    if sp is not None:
-        import torch.distributed as dist
-
-        dist.barrier(group=sp.group)
+    if sequence is not None:
+        sequence.barrier()
     return final
 
 

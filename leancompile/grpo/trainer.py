@@ -283,7 +283,12 @@ class GRPOTrainer:
         ``leancompile.integrations.diffusers.parallelize_ulysses`` (None if not): every rank of
         its group runs the same rows on its part of the tokens, and the update sums the
         parameter gradients over the group."""
+        self._sequence_sync = None
+        """``DataParallel`` over the sequence-parallel group: the update's gradient sum (its
+        all-reduce, counts and peer-failure errors are data parallelism's)."""
         if self.sequence_parallel is not None:
+            self._sequence_sync = DataParallel("ddp", self.sequence_parallel.group,
+                                               timeout_s=timeout_s)
             if self.parallel.distributed:
                 raise NotImplementedError(
                     f"parallel={parallel!r} with a sequence-parallel policy: data parallelism "
@@ -956,9 +961,8 @@ class PendingUpdate:
             p.grad = None
         with record_function("leancompile.sync"):
             self.sync = self.trainer.parallel.sync_gradients(grads)
-            sp = self.trainer.sequence_parallel
-            if sp is not None:
-                self.sync = sp.sum_grads(grads)
+            if self.trainer._sequence_sync is not None:
+                self.sync = self.trainer._sequence_sync.sync_gradients(grads)
             if self.trainer.sharding is not None:
                 self.sync = self._fsdp_reductions(grads, deferred=deferred)
         return grads

@@ -194,23 +194,6 @@ class SequenceParallel:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self.group)
 
-    def sum_grads(self, grads: dict[str, torch.Tensor]) -> tuple[int, int]:
-        """Sum the gradients in ``grads`` over the group in place, one all-reduce of one flat
-        buffer per dtype; returns (collectives, bytes)."""
-        count = nbytes = 0
-        buckets: dict = {}
-        for name, g in grads.items():
-            buckets.setdefault((g.dtype, g.device), []).append(name)
-        for names in buckets.values():
-            flat = torch.cat([grads[n].reshape(-1) for n in names])
-            dist.all_reduce(flat, group=self.group)
-            count, nbytes = count + 1, nbytes + flat.numel() * flat.element_size()
-            offset = 0
-            for n in names:
-                grads[n].copy_(flat[offset:offset + grads[n].numel()].view_as(grads[n]))
-                offset += grads[n].numel()
-        return count, nbytes
-
     def undo(self) -> None:
         for handle in self.handles:
             handle.remove()
@@ -298,8 +281,8 @@ def parallelize_ulysses(transformer: nn.Module, group=None) -> SequenceParallel:
                              "ranks of the sequence-parallel group (Ulysses gives each rank "
                              "heads/N heads). Use a group whose size divides the head count.")
         sp.processors[name] = processor
-        new = _ulysses_processor_class(type(processor)).__new__(
-            _ulysses_processor_class(type(processor)))
+        cls = _ulysses_processor_class(type(processor))
+        new = cls.__new__(cls)  # the same state, the subclass's __call__
         new.__dict__.update(processor.__dict__)
         new._parallel_config = config
         module.processor = new

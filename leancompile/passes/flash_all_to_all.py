@@ -42,7 +42,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .flash_overlap_match import (_Skip, _check_group, _describe, _find, _only_wait,
+from .flash_overlap_match import (_Skip, _descendants, _describe, _find, _only_wait,
                                   _reshape_groups, _shape)
 from .result import PassResult
 
@@ -111,7 +111,7 @@ def find_all_to_all_matches(graph: fx.Graph, result: PassResult, *,
         try:
             site = _match_attention(node, by_wait, by_input)
         except _Skip as skip:
-            if _feeds_from(node, by_wait):
+            if _layout_root(node.args[0]) in by_wait:
                 result.skip(node, ATTENTION_SITE, skip.args[0])
             continue
         except Exception as exc:  # noqa: BLE001 - reported as the skip reason
@@ -133,24 +133,23 @@ def find_all_to_all_matches(graph: fx.Graph, result: PassResult, *,
     return sites
 
 
-def _feeds_from(attention: fx.Node, by_wait: dict) -> bool:
-    """Whether an all-to-all's result reaches ``attention``'s query through layout ops."""
-    node = attention.args[0]
+def _layout_root(node):
+    """``node`` seen back through layout ops: the first node that is not one."""
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _LAYOUT:
         node = node.args[0]
-    return node in by_wait
+    return node
 
 
 def _why_left(match: AllToAllMatch, sites: list[AttentionMatch]) -> str:
     for site in sites:
         if site.attention.target is _FORWARD and any(
-                _reaches(match.wait, x) for x in site.attention.args[1:3]):
+                _layout_root(x) is match.wait for x in site.attention.args[1:3]):
             return ("the key or value all-to-all of the attention at "
                     f"{site.attention.name}: every query slice needs it whole; the backend's "
                     "all-to-all is as fast as a decomposed one with nothing to overlap")
-        if site.attention.target is _BACKWARD and any(
-                _reaches(u, match.all_to_all.args[0]) for u in site.attention.users
-                if u.target is operator.getitem and u.args[1] in _SUMMED):
+        root = _layout_root(match.all_to_all.args[0])
+        if site.attention.target is _BACKWARD and root.target is operator.getitem and \
+                root.args[0] is site.attention and root.args[1] in _SUMMED:
             return ("the key or value gradient all-to-all of the attention backward at "
                     f"{site.attention.name}: its input is a sum over every query slice, "
                     "complete only after the last one")
@@ -158,18 +157,6 @@ def _why_left(match: AllToAllMatch, sites: list[AttentionMatch]) -> str:
     return ("not the query or output all-to-all of an attention (Ulysses: all-to-all -> "
             "attention -> all-to-all); nothing to slice next to it (read by "
             f"{names}); left to the backend")
-
-
-def _reaches(source: fx.Node, target) -> bool:
-    """Whether ``target`` is ``source`` seen through layout ops."""
-    node = target
-    while isinstance(node, fx.Node):
-        if node is source:
-            return True
-        if node.op != "call_function" or node.target not in _LAYOUT:
-            return False
-        node = node.args[0]
-    return False
 
 
 def _match_all_to_all(node: fx.Node) -> AllToAllMatch:
@@ -183,7 +170,6 @@ def _match_all_to_all(node: fx.Node) -> AllToAllMatch:
     except Exception:  # noqa: BLE001 - not a live group in this process
         raise _Skip(f"group {group_name!r} is unknown: not a registered process group name "
                     "(unknown group)") from None
-    _check_group(group_name, world)
     if world == 1:
         raise _Skip("a group of one rank: nothing is exchanged")
     if not shape or not isinstance(shape[0], int):
@@ -239,9 +225,8 @@ def _match_attention(attention: fx.Node, by_wait: dict, by_input: dict) -> Atten
     if (q_dims[-1] if q_dims else 0) != 2:
         raise _Skip("the all-to-all's source-rank dim is not the outer part of the query's "
                     "sequence dim: the pieces are not query slices")
-    for dep in attention.args[1:flags]:
-        if isinstance(dep, fx.Node) and _depends_on(dep, q.wait):
-            raise _Skip("another attention input is computed from the query's all-to-all")
+    if set(attention.args[1:flags]) & _descendants(q.wait):
+        raise _Skip("another attention input is computed from the query's all-to-all")
     if backward:
         seq = qval[2]
         for i in _ROW_ARGS:
@@ -265,19 +250,6 @@ def _match_attention(attention: fx.Node, by_wait: dict, by_input: dict) -> Atten
                     "all-to-all sends (the query rows would go to the wrong ranks)")
     return AttentionMatch(q, tuple(chain), tuple(q_dims), attention, tuple(out_chain),
                           tuple(out_dims), out)
-
-
-def _depends_on(node: fx.Node, source: fx.Node) -> bool:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n is source:
-            return True
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return False
 
 
 def _path_to_all_to_all(start: fx.Node, by_input: dict) -> list[fx.Node] | None:
@@ -358,7 +330,8 @@ def rewrite_attention(gm: fx.GraphModule, match: AttentionMatch, result: PassRes
     by this rank's query-split schedule (module docstring)."""
     from ..runtime.a2a_schedules import computed_order, flash_all_to_all_compute
     from ..runtime.p2p import group_rank_and_size
-    from .flash_overlap import _detach_metadata_readers, _erase_if_dead, _inline, _trace, _val
+    from .flash_overlap import (_detach_metadata_readers, _erase_if_dead, _inline, _trace,
+                                _users_before, _val)
 
     graph = gm.graph
     q, out, attention = match.query, match.output, match.attention
@@ -386,7 +359,7 @@ def rewrite_attention(gm: fx.GraphModule, match: AttentionMatch, result: PassRes
             return (*outs, send)
 
         received, outputs, back = flash_all_to_all_compute(
-            x, compute, group_name=q.group_name, send_back=True)
+            x, compute, group_name=q.group_name)
         full = []
         for i, like in enumerate(likes):
             if like is None:
@@ -405,11 +378,7 @@ def rewrite_attention(gm: fx.GraphModule, match: AttentionMatch, result: PassRes
     sub = _trace(schedule, inputs)
     # The schedule goes where the attention was (key and value are ready there); readers of
     # the query all-to-all's result that come before it move after it (pure layout ops).
-    late = sorted({n for n in _users_until(q.wait, attention, order)}, key=order.__getitem__)
-    for node in late:
-        if node.op != "call_function" or node.is_impure():
-            raise RuntimeError(f"{node.name} reads the query all-to-all before the attention "
-                               "and cannot be moved after the schedule")
+    late = _users_before(list(q.wait.users), attention, order)
     anchor = attention
     outs = _inline(graph, sub, inputs, anchor, q.all_to_all.name)
     received, back, *full = outs
@@ -421,53 +390,29 @@ def rewrite_attention(gm: fx.GraphModule, match: AttentionMatch, result: PassRes
     for i, like in enumerate(likes):
         if like is not None:
             getitems[i].replace_all_uses_with(next(it))
-    _post_early(graph, outs, q.all_to_all, world)
+    _post_early(graph, q.all_to_all, world)
     replaced = [q.all_to_all, q.wait, *match.q_chain, attention, *getitems.values(),
-                *match.out_chain, out.all_to_all.args[0], out.all_to_all, out.wait]
-    for node in (q.wait, out.wait):
-        _detach_metadata_readers([node])
-    for a2a in (out.all_to_all, q.all_to_all):
-        for w in list(a2a.users):
-            if not w.users:
-                graph.erase_node(w)
-        if not a2a.users:
-            graph.erase_node(a2a)
-    _erase_if_dead(graph, [n for n in replaced if not getattr(n, "_erased", False)
-                           and n.op == "call_function" and not n.is_impure()])
+                *match.out_chain, out.all_to_all, out.wait]
+    _detach_metadata_readers([q.wait, out.wait])
+    _erase_if_dead(graph, replaced)  # last first: each is erased once its readers are
     for node in (q.all_to_all, out.all_to_all):
-        if not getattr(node, "_erased", False) and node in graph.nodes:
+        if not getattr(node, "_erased", False):
             raise AssertionError(f"{node.name} is still read after the rewrite")
     result.rewrite(q.all_to_all, ATTENTION_SITE)
     result.rewrite(out.all_to_all, ATTENTION_SITE)
 
 
-def _users_until(node: fx.Node, anchor: fx.Node, order: dict) -> set[fx.Node]:
-    """``node``'s users placed before ``anchor`` and, transitively, theirs."""
-    found, stack = set(), [u for u in node.users if order.get(u, -1) < order[anchor]]
-    while stack:
-        n = stack.pop()
-        if n in found:
-            continue
-        found.add(n)
-        stack.extend(u for u in n.users if order.get(u, 1 << 60) < order[anchor])
-    return found
-
-
-def _post_early(graph: fx.Graph, outs, anchor: fx.Node, world: int) -> None:
+def _post_early(graph: fx.Graph, anchor: fx.Node, world: int) -> None:
     """Move the first exchange's posts (and the slices they send) up to where the query
     all-to-all was: the transfers start as soon as the query is ready."""
     from ..runtime.p2p import P2P_START
+    from .flash_overlap import SITE_META, _hoist
 
+    order = {n: i for i, n in enumerate(graph.nodes)}
     starts = [n for n in graph.nodes if n.op == "call_function" and n.target is P2P_START
-              and n.meta.get("flash_overlap_site") == anchor.name][:world - 1]
-    for start in starts:
-        _move_before(start, anchor)
-
-
-def _move_before(node: fx.Node, anchor: fx.Node) -> None:
-    order = {n: i for i, n in enumerate(anchor.graph.nodes)}
-    if order[node] < order[anchor]:
-        return
-    for arg in node.all_input_nodes:
-        _move_before(arg, anchor)
-    anchor.prepend(node)
+              and n.meta.get(SITE_META) == anchor.name][:world - 1]
+    for start in starts:  # posts have side effects: _hoist moves only what they send
+        for arg in start.all_input_nodes:
+            _hoist(arg, anchor, order)
+        anchor.prepend(start)
+        order[start] = order[anchor] - 0.5

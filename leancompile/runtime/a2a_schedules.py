@@ -1,23 +1,16 @@
 """All-to-all schedules on one rank: the Ulysses re-layouts decomposed into P2P exchanges.
 
 An ``all_to_all_single`` with equal splits cuts its input into N pieces along dim 0 and sends
-piece j to rank j; piece j of its output came from rank j. For rank r of N::
+piece j to rank j; piece j of its output came from rank j. For rank r of N,
+``flash_all_to_all_compute`` posts the N-1 exchanges of that collective together (step i sends
+piece r+i to r+i and receives the piece of r-i), runs a computation on each received piece, own
+piece first, then each piece as it arrives (the transfers of the others overlap it), and sends
+what each piece's computation produced back to the rank the piece came from as soon as it is
+computed (a second all-to-all, of those results). Ulysses attention split by query: the pieces
+are query slices, the computation is attention of one query slice over all keys, the result
+goes back to the rank that owns those tokens. Only the last return hop is exposed.
 
-    flash_all_to_all       the own piece stays; step i (1..N-1) sends piece r+i to r+i and
-                           receives the piece of r-i; every step is posted before the first
-                           wait, so the N-1 transfers run together and overlap whatever the
-                           graph computes before the result is read.
-    flash_all_to_all_compute
-                           the same exchange with a computation per received piece, own piece
-                           first, then each piece as it arrives (the transfers of the others
-                           overlap it), and an optional second exchange that sends what each
-                           piece's computation produced back to the rank the piece came from
-                           (posted as soon as it is computed). Ulysses attention split by
-                           query: the pieces are query slices, the computation is attention of
-                           one query slice over all keys, the result goes back to the rank
-                           that owns those tokens. Only the last return hop is exposed.
-
-Like ``flash_schedules``, these are plain eager code over tensors and the P2P ops of
+Like ``flash_schedules``, this is plain eager code over tensors and the P2P ops of
 ``p2p.py`` with Python control flow over ints only, so the graph rewrite traces them into the
 graph. Numerics: the exchanges move bytes and the computations run on the same rows, so the
 results equal the collective's (the per-slice computation may differ from the whole one in the
@@ -28,12 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import Tensor
 
 from .p2p import group_rank_and_size, start_exchange, wait_exchange
 
-__all__ = ["flash_all_to_all", "flash_all_to_all_compute", "a2a_steps", "computed_order"]
+__all__ = ["flash_all_to_all_compute", "a2a_steps", "computed_order"]
 
 
 def a2a_steps(rank: int, world: int) -> list[tuple[int, int]]:
@@ -52,32 +44,16 @@ def _pieces(x: Tensor, n: int, fn: str) -> list[Tensor]:
     return [x.narrow(0, j * length, length) for j in range(n)]
 
 
-def flash_all_to_all(x: Tensor, *, group_name: str, tag: int = 0) -> Tensor:
-    """``all_to_all_single(x, equal splits)`` as N-1 pairwise exchanges posted together."""
-    rank, n = group_rank_and_size(group_name)
-    if n == 1:
-        return x.clone()
-    pieces = _pieces(x, n, "flash_all_to_all")
-    shape = tuple(pieces[0].shape)
-    posted = [(src, start_exchange(pieces[dst], shape, dst, src, group_name, tag=tag + i - 1))
-              for i, (dst, src) in enumerate(a2a_steps(rank, n), start=1)]
-    out = {rank: pieces[rank]}
-    for src, exchange in posted:
-        out[src] = wait_exchange(exchange)
-    return torch.cat([out[j] for j in range(n)], 0)
-
-
 def flash_all_to_all_compute(x: Tensor, compute: Callable[[Tensor, int], tuple], *,
-                             group_name: str,
-                             send_back: bool, tag: int = 0) -> tuple[list, list, list | None]:
-    """Exchange ``x``'s pieces as ``all_to_all_single`` does and run ``compute(piece, j)`` on
-    each received piece (j: the rank it came from; own first, then in arrival order:
-    ``computed_order``); with ``send_back`` the last output of each ``compute`` goes back to
-    the rank its piece came from, as a second ``all_to_all_single`` of those outputs would.
+                             group_name: str, tag: int = 0) -> tuple[list, list, list]:
+    """Exchange ``x``'s pieces as ``all_to_all_single`` does, run ``compute(piece, j)`` on each
+    received piece (j: the rank it came from; own first, then in arrival order:
+    ``computed_order``), and send the last output of each ``compute`` back to the rank its
+    piece came from, as a second ``all_to_all_single`` of those outputs would.
 
     Returns ``(received, outputs, back)``, each indexed by rank: ``received[j]`` the piece from
     rank j, ``outputs[j]`` what ``compute`` returned for it, ``back[j]`` the piece rank j sent
-    back (None without ``send_back``)."""
+    back."""
     rank, n = group_rank_and_size(group_name)
     pieces = _pieces(x, n, "flash_all_to_all_compute")
     steps = a2a_steps(rank, n)
@@ -95,19 +71,16 @@ def flash_all_to_all_compute(x: Tensor, compute: Callable[[Tensor, int], tuple],
         received[src] = wait_exchange(exchange, after=done)
         outputs[src] = tuple(compute(received[src], src))
         done = [t for t in outputs[src] if isinstance(t, Tensor)]
-        if send_back:
-            send = outputs[src][-1]
-            # Back to src (who sent this piece); from dst comes the piece it computed for us.
-            returned.append((dst, start_exchange(send, tuple(send.shape), src, dst, group_name,
-                                                 tag=tag + n - 1 + i - 1)))
-    back = None
-    if send_back:
-        back = {rank: outputs[rank][-1]}
-        for peer, exchange in returned:
-            back[peer] = wait_exchange(exchange, after=done)
-            done = []
-        back = [back[j] for j in range(n)]
-    return ([received[j] for j in range(n)], [outputs[j] for j in range(n)], back)
+        send = outputs[src][-1]
+        # Back to src (who sent this piece); from dst comes the piece it computed for us.
+        returned.append((dst, start_exchange(send, tuple(send.shape), src, dst, group_name,
+                                             tag=tag + n - 1 + i - 1)))
+    back = {rank: outputs[rank][-1]}
+    for peer, exchange in returned:
+        back[peer] = wait_exchange(exchange, after=done)
+        done = []
+    return ([received[j] for j in range(n)], [outputs[j] for j in range(n)],
+            [back[j] for j in range(n)])
 
 
 def computed_order(rank: int, world: int) -> list[int]:
