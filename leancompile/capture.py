@@ -2,8 +2,9 @@
 the pass pipeline and the compiler, with what the LeanGRPO step wrapper needs to know about them.
 
 ``capture_graph(gm, example_inputs, ...)`` (called from the Dynamo backend of
-``leancompile.step.LeanStep``) traces the graph once with gradients and once without, with
-Inductor's decompositions and the min-cut partitioner, runs leancompile's pipeline on each
+``leancompile.step.LeanStep``) traces the graph once, with gradients, with Inductor's
+decompositions and the min-cut partitioner; the inference graph is the forward graph without
+what it saves for the backward (``without_saved``). It runs leancompile's pipeline on each
 graph and compiles it (``aot_eager``: as it is; ``inductor``: ``compile_fx_inner`` with the
 pipeline as its custom post-grad pass). The result, ``StepGraphs``, has the three graphs with
 their calling conventions made explicit:
@@ -197,22 +198,33 @@ class StepGraphs:
         tensors): what a graph Dynamo specialised for those sizes (a batch of 1) computes, to
         compare with one."""
         from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
         from torch._guards import TracingContext, tracing
         from torch._inductor.decomposition import select_decomp_table
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         captured = {}
 
-        def keep(graph, inputs):
-            captured["inference"] = graph
-            return make_boxed_func(graph.forward)
+        def keep(name):
+            def compiler_fn(graph, inputs):
+                captured[name] = graph
+                return make_boxed_func(graph.forward)
+            return compiler_fn
 
+        # Traced as capture_graph traces: with gradients when the graph has a backward, its
+        # inference graph the forward without what it saves.
         with tracing(TracingContext(FakeTensorMode(allow_non_fake_inputs=True))), \
-                torch._functorch.config.patch(enable_autograd_cache=False), torch.no_grad():
-            aot_module_simplified(self.dynamo_graph, list(args), fw_compiler=keep,
-                                  inference_compiler=keep,
+                torch._functorch.config.patch(enable_autograd_cache=False,
+                                              force_non_lazy_backward_lowering=True), \
+                torch.set_grad_enabled(self.trainable):
+            aot_module_simplified(self.dynamo_graph, list(args), fw_compiler=keep("forward"),
+                                  bw_compiler=keep("backward"),
+                                  inference_compiler=keep("inference"),
+                                  partition_fn=min_cut_rematerialization_partition,
                                   decompositions=select_decomp_table())
-        graph = captured["inference"]
+        graph = captured.get("inference")
+        if "backward" in captured:
+            graph = without_saved(captured["forward"], self.num_outputs)
         fingerprint, _ = _structural_hashes(graph, self.roles)
         sample = ()
         if self.sample_output is not None:
@@ -304,11 +316,33 @@ def _structural_hashes(gm: fx.GraphModule, roles: list[InputRole], cut: int | No
     return hashes, sorted(reached)
 
 
+def without_saved(forward: fx.GraphModule, num_outputs: int) -> fx.GraphModule:
+    """The inference graph of a step that has a backward: a copy of its forward graph that
+    returns the first ``num_outputs`` outputs (the function's own) and not the tensors saved for
+    the backward, dead code removed. No-grad calls then run the ops of the grad calls, and
+    the capture does not trace the function a second time (a third of its cost)::
+
+        def forward(primals_1, primals_2):            def forward(primals_1, primals_2):
+            mm = aten.mm(primals_2, primals_1)            mm = aten.mm(primals_2, primals_1)
+            tanh = aten.tanh(mm)               ->         tanh = aten.tanh(mm)
+            return (tanh, primals_2, tanh)                return (tanh,)
+    """
+    graph = copy.deepcopy(forward)
+    output = next(n for n in graph.graph.nodes if n.op == "output")
+    output.args = (tuple(output.args[0][:num_outputs]),)
+    if isinstance(output.meta.get("val"), (list, tuple)):
+        output.meta["val"] = type(output.meta["val"])(output.meta["val"][:num_outputs])
+    graph.graph.eliminate_dead_code()
+    graph.recompile()
+    return graph
+
+
 def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: str,
                   sample_output: int | None = None,
                   memory_budget: float | None = None) -> StepGraphs:
-    """Trace a Dynamo graph through AOTAutograd into forward + backward graphs (with grad) and
-    an inference graph (without), run ``graph_pass`` (leancompile's pipeline, a
+    """Trace a Dynamo graph through AOTAutograd into forward + backward graphs and an inference
+    graph (the forward without what it saves, ``without_saved``; a traced one when nothing
+    needs gradients), run ``graph_pass`` (leancompile's pipeline, a
     ``LeanGraphPass``) on each and compile them with ``compiler`` (``aot_eager``: as they are;
     ``inductor``: ``compile_fx_inner``, our pipeline as its custom post-grad pass).
 
@@ -346,13 +380,16 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
     if memory_budget is not None:  # the partitioner saves less and recomputes more
         patches["activation_memory_budget"] = memory_budget
     needs_grad = any(isinstance(v, torch.Tensor) and v.requires_grad for v in example_inputs)
-    for grad in ((True, False) if needs_grad else (False,)):
-        with torch._functorch.config.patch(**patches), torch.set_grad_enabled(grad):
-            aot_module_simplified(
-                gm, list(example_inputs), fw_compiler=keep("forward"),
-                bw_compiler=keep("backward"), inference_compiler=keep("inference"),
-                partition_fn=min_cut_rematerialization_partition,
-                decompositions=select_decomp_table())
+    with torch._functorch.config.patch(**patches), torch.set_grad_enabled(needs_grad):
+        aot_module_simplified(
+            gm, list(example_inputs), fw_compiler=keep("forward"),
+            bw_compiler=keep("backward"), inference_compiler=keep("inference"),
+            partition_fn=min_cut_rematerialization_partition,
+            decompositions=select_decomp_table())
+    if "backward" in captured and captured.get("meta") is not None:
+        forward, fw_inputs = captured["forward"]
+        captured["inference"] = (
+            without_saved(forward, len(captured["meta"].output_info)), fw_inputs)
     inference, inf_inputs = captured["inference"]
     fingerprint, reached = _structural_hashes(inference, roles)
     sample_fp, sample_keys = (), []

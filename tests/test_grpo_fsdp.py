@@ -33,6 +33,14 @@ def _full(grads: dict, shapes: dict, world: int) -> dict:
     return out
 
 
+def _from_rank(rank, src, fn):
+    """``fn()`` run on rank ``src`` only and sent to every rank: a single-process reference is
+    the same on every rank, and the ranks share the machine's cores."""
+    box = [fn() if rank == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def _fsdp_worker(rank, world, init, out, kind):
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -53,8 +61,10 @@ def _fsdp_worker(rank, world, init, out, kind):
                             timestep_fraction=0.75)
         cases = [(layout, s, {}) for layout in ("shared", "conventional", "scattered")
                  for s in ("recompute", "retain", "reweight")]
+        # The KL term and global-std advantages on 2 ranks (LoRA and chunked updates there
+        # too); calls that differ across ranks on 4 (below).
         cases += [("shared", "reweight", {"beta": 0.1}), ("shared", "retain", {"beta": 0.1}),
-                  ("shared", "reweight", {"global_std": True})]
+                  ("shared", "reweight", {"global_std": True})] if world == 2 else []
         # FlashOverlap on the same graphs: the weight gathers feeding matmuls and the weight
         # gradients feeding reduce-scatters become P2P schedules.
         cases += [("shared", s, {"overlap": "flash"}) for s in ("recompute", "retain",
@@ -63,7 +73,6 @@ def _fsdp_worker(rank, world, init, out, kind):
         # without rows (one prompt group, conventional), worker groups of the shared layout
         # with different numbers of prompts (group_size 2 < 4 ranks, 3 prompts). The ranks
         # pad to the union of their calls with a stand-in row whose loss is times zero.
-        # (4 ranks; the 2-rank run checks LoRA and chunked updates instead.)
         dance = {"sde": "dance_grpo", "eta": 0.3, "timestep_fraction": 0.5, "prompts": 3}
         cases += [("shared", "retain", dance), ("shared", "reweight", dance),
                   ("conventional", "retain", {"group_size": 2, "prompts": 1}),
@@ -74,6 +83,7 @@ def _fsdp_worker(rank, world, init, out, kind):
     # trainers with the same step share its compiled graphs (compiling is the slow part).
     single_policy, sharded_policy = copy.deepcopy(base), copy.deepcopy(base)
     compiled: dict = {}
+    compiled_single: dict = {}
     for layout, schedule, extra in cases:
         prompts = extra.get("prompts")
         cfg = dataclasses.replace(config, layout=layout, **{k: v for k, v in extra.items()
@@ -81,18 +91,28 @@ def _fsdp_worker(rank, world, init, out, kind):
         case_conditions = conditions if prompts is None else base.example_conditions(
             prompts, generator=torch.Generator().manual_seed(1))
         key = tuple(sorted(extra.items()))
-        single = GRPOTrainer(single_policy, mean_latent_reward, None, cfg)
+
+        def reference():
+            single = GRPOTrainer(single_policy, mean_latent_reward, None, cfg)
+            if key in compiled_single:
+                single._steps = compiled_single[key]
+            compiled_single[key] = single._steps
+            ref = single.compute_gradients(case_conditions, torch.Generator().manual_seed(5),
+                                           schedule=schedule)
+            return ref.grads, ref.rollout.rewards
+
+        # Each step's references on one rank (the rank that compiles it), spread over ranks.
+        owner = list(dict.fromkeys(tuple(sorted(c[2].items())) for c in cases)).index(key)
+        ref_grads, ref_rewards = _from_rank(rank, owner % world, reference)
         trainer = GRPOTrainer(sharded_policy, mean_latent_reward, None, cfg, parallel="fsdp")
         if key in compiled:
-            single._steps, trainer._steps = compiled[key]
-        compiled[key] = single._steps, trainer._steps
-        ref = single.compute_gradients(case_conditions, torch.Generator().manual_seed(5),
-                                       schedule=schedule)
+            trainer._steps = compiled[key]
+        compiled[key] = trainer._steps
         got = trainer.compute_gradients(case_conditions, torch.Generator().manual_seed(5),
                                         schedule=schedule)
         local = {n: tuple(p.shape) for n, p in trainer.policy.named_parameters()}
         full = _full(got.grads, shapes, world)
-        _, rel = agreement(full, ref.grads)
+        _, rel = agreement(full, ref_grads)
         graph = trainer.lean_step(list(conditions)).graphs[0]
         ops = [str(n.target) for gm in (graph.forward, graph.backward) for n in gm.graph.nodes]
         unrewritten = [str(n.target) for n in graph.backward_aten.graph.nodes]
@@ -110,7 +130,7 @@ def _fsdp_worker(rank, world, init, out, kind):
             "flash": "overlap" in extra,
             "report": str(graph.report),
             "backwards": trainer.lean_step(list(conditions)).stats.backward_graphs_run,
-            "rewards": float((got.rollout.rewards - ref.rollout.rewards).abs().max())})
+            "rewards": float((got.rollout.rewards - ref_rewards).abs().max())})
     report = {"results": results}
     if kind == "toy":
         # An optimizer built on the full parameters before the trainer: the trainer points it
@@ -118,22 +138,29 @@ def _fsdp_worker(rank, world, init, out, kind):
         # (clipping at a norm the gradient exceeds: the norm is over every rank's parts)
         cfg = dataclasses.replace(config, layout="shared", schedule="retain",
                                   max_grad_norm=1e-3)
-        policies = [copy.deepcopy(base), copy.deepcopy(base)]
-        opts = [torch.optim.AdamW(p.parameters(), lr=1e-2) for p in policies]
-        GRPOTrainer(policies[0], mean_latent_reward, opts[0], cfg).step(
-            conditions, torch.Generator().manual_seed(9))
-        sharded = GRPOTrainer(policies[1], mean_latent_reward, opts[1], cfg, parallel="fsdp")
+        def single_step():
+            policy = copy.deepcopy(base)
+            GRPOTrainer(policy, mean_latent_reward,
+                        torch.optim.AdamW(policy.parameters(), lr=1e-2), cfg).step(
+                conditions, torch.Generator().manual_seed(9))
+            return {n: p.detach() for n, p in policy.named_parameters()}
+
+        stepped = _from_rank(rank, 0, single_step)
+        policy = copy.deepcopy(base)
+        sharded = GRPOTrainer(policy, mean_latent_reward,
+                              torch.optim.AdamW(policy.parameters(), lr=1e-2), cfg,
+                              parallel="fsdp")
         sharded.step(conditions, torch.Generator().manual_seed(9))
-        after = _full({n: p.detach() for n, p in policies[1].named_parameters()}, shapes, world)
-        _, report["step_rel"] = agreement(after, dict(policies[0].named_parameters()))
-        views = sharded.sharding.dtensors(policies[1])
+        after = _full({n: p.detach() for n, p in policy.named_parameters()}, shapes, world)
+        _, report["step_rel"] = agreement(after, stepped)
+        views = sharded.sharding.dtensors(policy)
         report["dtensor_shapes_ok"] = all(tuple(v.shape) == shapes[n] for n, v in views.items())
         # Checkpoint (parts through torch.distributed.checkpoint, optimizer state per rank),
         # one more step; resumed into a fresh policy and optimizer, the same step again.
         run_dir = os.path.join(out, "run")
         sharded.save(run_dir)
         sharded.step(conditions, torch.Generator().manual_seed(10))
-        first = _full({n: p.detach() for n, p in policies[1].named_parameters()}, shapes, world)
+        first = _full({n: p.detach() for n, p in policy.named_parameters()}, shapes, world)
         fresh = copy.deepcopy(base)
         resumed = GRPOTrainer.load(run_dir, fresh, mean_latent_reward,
                                    torch.optim.AdamW(fresh.parameters(), lr=1e-2),
@@ -156,11 +183,9 @@ def _fsdp_worker(rank, world, init, out, kind):
         # no trained row at the first trained step).
         stale_cfg = GRPOConfig(sde="dance_grpo", eta=0.3, group_size=world, layout="shared",
                                timestep_fraction=0.75, global_std=True, schedule="reweight")
-        got = {}
-        for kind in ("single", "fsdp"):
+        def stale_and_out_of_order(parallel):
             policy = copy.deepcopy(base)
-            tr = GRPOTrainer(policy, mean_latent_reward, None, stale_cfg,
-                             parallel=None if kind == "single" else "fsdp")
+            tr = GRPOTrainer(policy, mean_latent_reward, None, stale_cfg, parallel=parallel)
             pending = tr.rollout(conditions, torch.Generator().manual_seed(5))
             with torch.no_grad():
                 for name in tr.trainable:
@@ -170,9 +195,11 @@ def _fsdp_worker(rank, world, init, out, kind):
                 stale = pending.update().grads
             pending = tr.rollout(conditions, torch.Generator().manual_seed(6), chunks=2)
             later, first = pending.update(chunk=1).grads, pending.update(chunk=0).grads
-            got[kind] = (stale, later, first)
+            return stale, later, first
+
+        single = _from_rank(rank, 0, lambda: stale_and_out_of_order(None))
         report["stale_rel"] = [agreement(_full(f, shapes, world), s)[1]
-                               for f, s in zip(got["fsdp"], got["single"])]
+                               for f, s in zip(stale_and_out_of_order("fsdp"), single)]
         # LoRA adapters sharded (lora_B random, so the policy is not its reference yet), with
         # the KL to the adapter-free reference: zero adapters at full size.
         from peft import LoraConfig, get_peft_model
@@ -186,16 +213,20 @@ def _fsdp_worker(rank, world, init, out, kind):
         lora_cfg = dataclasses.replace(config, layout="shared", beta=0.1, reference="adapter")
         report["lora_rel"] = {}
         for schedule in ("retain", "reweight"):
-            single = GRPOTrainer(copy.deepcopy(lora), mean_latent_reward, None, lora_cfg)
+            def lora_reference():
+                single = GRPOTrainer(copy.deepcopy(lora), mean_latent_reward, None, lora_cfg)
+                ref = single.compute_gradients(conditions, torch.Generator().manual_seed(5),
+                                               schedule=schedule)
+                return ref.grads, ref.kl
+
+            ref_grads, ref_kl = _from_rank(rank, 0, lora_reference)
             sharded = GRPOTrainer(copy.deepcopy(lora), mean_latent_reward, None, lora_cfg,
                                   parallel="fsdp")
-            ref = single.compute_gradients(conditions, torch.Generator().manual_seed(5),
-                                           schedule=schedule)
             got = sharded.compute_gradients(conditions, torch.Generator().manual_seed(5),
                                             schedule=schedule)
             _, report["lora_rel"][schedule] = agreement(
-                _full(got.grads, lora_shapes, world), ref.grads)
-            report["lora_kl"] = [got.kl, ref.kl]
+                _full(got.grads, lora_shapes, world), ref_grads)
+            report["lora_kl"] = [got.kl, ref_kl]
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()

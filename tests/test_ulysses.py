@@ -223,16 +223,21 @@ def _grpo(rank, world, out_dir):
     conditions = policy.example_conditions(2, generator=torch.Generator().manual_seed(1),
                                            sequence_length=8)
     config = GRPOConfig(sde="flow_grpo", eta=0.9, group_size=2)
-    single = GRPOTrainer(policy, mean_latent_reward, None, config)
-    refs = {s: single.compute_gradients(conditions, torch.Generator().manual_seed(5),
-                                        schedule=s) for s in ("recompute", "retain")}
+    # The single-process reference on rank 0 only (the ranks share the machine's cores).
+    refs = [None]
+    if rank == 0:
+        single = GRPOTrainer(policy, mean_latent_reward, None, config)
+        refs = [{s: single.compute_gradients(conditions, torch.Generator().manual_seed(5),
+                                             schedule=s).grads for s in ("recompute", "retain")}]
+    dist.broadcast_object_list(refs, src=0)
+    refs = refs[0]
     sp = parallelize_ulysses(policy.transformer)
     trainer = GRPOTrainer(policy, mean_latent_reward, None, config)
     out = {}
     for schedule, ref in refs.items():
         got = trainer.compute_gradients(conditions, torch.Generator().manual_seed(5),
                                         schedule=schedule)
-        out[schedule] = {"rel": agreement(got.grads, ref.grads)[1], "schedule": got.schedule,
+        out[schedule] = {"rel": agreement(got.grads, ref)[1], "schedule": got.schedule,
                          "syncs": got.sync_collectives}
     try:
         GRPOTrainer(policy, mean_latent_reward, None,
