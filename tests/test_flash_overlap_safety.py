@@ -27,11 +27,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 import leancompile
+from ranks import spawn
 
 AG, RS = "all_gather+mm", "mm+reduce_scatter"
 
@@ -186,8 +186,7 @@ def _init(rank, world, init_file):
 
 
 def _spawn(tmp_path, world, worker, *args):
-    mp.spawn(worker, args=(world, str(tmp_path / "init"), str(tmp_path), *args), nprocs=world,
-             join=True)
+    spawn(worker, args=(world, str(tmp_path / "init"), str(tmp_path), *args), nprocs=world)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -15,7 +15,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from leancompile.runtime.flash_schedules import (
@@ -37,6 +36,7 @@ from leancompile.runtime.p2p import (
     start_exchange,
     wait_exchange,
 )
+from ranks import spawn
 
 # ---------------------------------------------------------------------------------------------
 # Step lists
@@ -553,7 +553,7 @@ def _worker(rank, world_size, init_file, out_dir):
 def gloo_run(request, tmp_path_factory):
     n = request.param
     tmp = tmp_path_factory.mktemp(f"flash{n}")
-    mp.spawn(_worker, args=(n, str(tmp / "init"), str(tmp)), nprocs=n, join=True)
+    spawn(_worker, args=(n, str(tmp / "init"), str(tmp)), nprocs=n, join=True)
     return n, [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(n)]
 
 

@@ -9,13 +9,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from grpo_reference import agreement
 from leancompile.grpo.layout import (LAYOUTS, assign, draw_samples, row_owner, sample_seed,
                                      worker_groups)
 from leancompile.grpo.timesteps import TimestepSelection
 from models import ToyFlowPolicy, tiny_flux_policy
+from ranks import spawn
 
 
 def mean_latent_reward(latents, conditions):
@@ -158,8 +158,8 @@ def _ddp_worker(rank, world, init, out, kind):
 
 
 def _run(tmp_path, world, kind):
-    mp.spawn(_ddp_worker, args=(world, str(tmp_path / "init"), str(tmp_path), kind),
-             nprocs=world, join=True)
+    spawn(_ddp_worker, args=(world, str(tmp_path / "init"), str(tmp_path), kind),
+          nprocs=world, join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -283,8 +283,8 @@ def _user_ddp_worker(rank, world, init, out):
 
 
 def test_wrapper_inside_a_users_ddp_loop_gives_the_plain_loops_gradients(tmp_path):
-    mp.spawn(_user_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
-             join=True)
+    spawn(_user_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+          join=True)
     for rank in range(2):
         report = json.loads((tmp_path / f"ddp{rank}.json").read_text())
         plain, lean = report["plain"], report["retain"]

@@ -13,10 +13,10 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from grpo_reference import agreement
 from models import ToyFlowPolicy, tiny_flux_policy
+from ranks import spawn
 
 
 def mean_latent_reward(latents, conditions):
@@ -233,8 +233,8 @@ def _fsdp_worker(rank, world, init, out, kind):
 
 
 def _run(tmp_path, world, kind):
-    mp.spawn(_fsdp_worker, args=(world, str(tmp_path / "init"), str(tmp_path), kind),
-             nprocs=world, join=True)
+    spawn(_fsdp_worker, args=(world, str(tmp_path / "init"), str(tmp_path), kind),
+          nprocs=world, join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 

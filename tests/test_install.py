@@ -5,7 +5,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -13,6 +12,7 @@ import leancompile
 from leancompile.compiler import LeanGraphPass
 from leancompile.options import CompileOptions
 from models import assert_same_training_step, mlp
+from ranks import spawn
 
 
 class CountingPass(CustomGraphPass):
@@ -191,8 +191,8 @@ def _uuid_worker(rank, world_size, init_file, out_dir):
 
 def test_uuid_differs_across_ranks(tmp_path):
     world_size = 2
-    mp.spawn(_uuid_worker, args=(world_size, str(tmp_path / "init"), str(tmp_path)),
-             nprocs=world_size, join=True)
+    spawn(_uuid_worker, args=(world_size, str(tmp_path / "init"), str(tmp_path)),
+          nprocs=world_size, join=True)
     seen = [(tmp_path / f"rank{r}.txt").read_text().split("\n") for r in range(world_size)]
     assert seen[0] == seen[1]  # every rank saw the same list
     assert len(set(seen[0])) == world_size  # and the two uuids differ

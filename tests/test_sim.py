@@ -13,6 +13,7 @@ from leancompile.cli import main as cli
 from leancompile.sim import DeviceProfile, device_names, device_profile, node_cost, simulate
 from leancompile.sim.fullscale import fake_group, trace_graphs
 from leancompile.sim.schemes import simulate_schemes
+from ranks import spawn
 
 # Round numbers, so that every expected time below is arithmetic.
 TOY = DeviceProfile(name="toy", flops={"float32": 1e12}, memory_bandwidth=1e11,
@@ -372,8 +373,6 @@ def test_overlap_auto_on_two_gloo_ranks_agrees_and_equals_sequential(tmp_path):
     """Every rank predicts the same times for its (symmetric) graph, so they pick the same
     schedule; the result is the sequential one's. The profile (a hop as long as a slice's
     matmul, no launch costs) makes a decomposed schedule win."""
-    import torch.multiprocessing as mp
-
     profile = dataclasses.replace(device_profile("h100"), name="slowcompute",
                                   flops={"float32": 1e8}, link_bandwidth=3e6,
                                   collective_bandwidth=3e6, link_latency=0.0,
@@ -381,8 +380,8 @@ def test_overlap_auto_on_two_gloo_ranks_agrees_and_equals_sequential(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(profile.to_json())
     out = tmp_path / "result.json"
-    mp.spawn(_auto_worker, args=(2, str(tmp_path / "init"), str(out), str(path)), nprocs=2,
-             join=True)
+    spawn(_auto_worker, args=(2, str(tmp_path / "init"), str(out), str(path)), nprocs=2,
+          join=True)
     result = json.loads(out.read_text())
     assert result["chosen"][0] == result["chosen"][1] and result["chosen"][0] != ["none"], \
         result

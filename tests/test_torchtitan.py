@@ -69,7 +69,7 @@ for _dep in ("spmd_types", "tyro", "einops"):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from ranks import spawn  # noqa: E402
 
 DIM, LAYERS, HEADS, VOCAB, SEQ, BATCH = 64, 2, 4, 256, 16, 2
 AG, RS = "all_gather+mm", "mm+reduce_scatter"
@@ -249,7 +249,7 @@ def _worker(rank, init_file, out_dir, cases):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("torchtitan")
-    mp.spawn(_worker, args=(str(out / "init"), str(out), CASES), nprocs=2, join=True)
+    spawn(_worker, args=(str(out / "init"), str(out), CASES), nprocs=2, join=True)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -7,12 +7,12 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 import leancompile
 from leancompile.passes.flash_all_to_all import A2A_SITE, ATTENTION_SITE
+from ranks import spawn
 
 HEADS = 4
 
@@ -273,7 +273,7 @@ def _worker(rank, world, init_file, out_dir, names, compiler, skips):
 
 
 def run_ranks(tmp_path, world, names, compiler="aot_eager", skips=False):
-    mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path), names, compiler,
+    spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path), names, compiler,
                             skips), nprocs=world, join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
