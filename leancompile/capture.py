@@ -329,9 +329,11 @@ def without_saved(forward: fx.GraphModule, num_outputs: int) -> fx.GraphModule:
     """
     graph = copy.deepcopy(forward)
     output = next(n for n in graph.graph.nodes if n.op == "output")
+    total = len(output.args[0])
     output.args = (tuple(output.args[0][:num_outputs]),)
-    if isinstance(output.meta.get("val"), (list, tuple)):
-        output.meta["val"] = type(output.meta["val"])(output.meta["val"][:num_outputs])
+    for key, value in list(output.meta.items()):  # per-output metadata (val, desc, ...)
+        if isinstance(value, (list, tuple)) and len(value) == total:
+            output.meta[key] = type(value)(value[:num_outputs])
     graph.graph.eliminate_dead_code()
     graph.recompile()
     return graph
