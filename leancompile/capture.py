@@ -197,34 +197,12 @@ class StepGraphs:
         """(fingerprint, sample fingerprint) of this graph traced with concrete ``args`` (real
         tensors): what a graph Dynamo specialised for those sizes (a batch of 1) computes, to
         compare with one."""
-        from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
         from torch._guards import TracingContext, tracing
-        from torch._inductor.decomposition import select_decomp_table
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        captured = {}
-
-        def keep(name):
-            def compiler_fn(graph, inputs):
-                captured[name] = graph
-                return make_boxed_func(graph.forward)
-            return compiler_fn
-
-        # Traced as capture_graph traces: with gradients when the graph has a backward, its
-        # inference graph the forward without what it saves.
-        with tracing(TracingContext(FakeTensorMode(allow_non_fake_inputs=True))), \
-                torch._functorch.config.patch(enable_autograd_cache=False,
-                                              force_non_lazy_backward_lowering=True), \
-                torch.set_grad_enabled(self.trainable):
-            aot_module_simplified(self.dynamo_graph, list(args), fw_compiler=keep("forward"),
-                                  bw_compiler=keep("backward"),
-                                  inference_compiler=keep("inference"),
-                                  partition_fn=min_cut_rematerialization_partition,
-                                  decompositions=select_decomp_table())
-        graph = captured.get("inference")
-        if "backward" in captured:
-            graph = without_saved(captured["forward"], self.num_outputs)
+        with tracing(TracingContext(FakeTensorMode(allow_non_fake_inputs=True))):
+            captured = _trace(self.dynamo_graph, args, {"enable_autograd_cache": False})
+        graph = captured["inference"][0]
         fingerprint, _ = _structural_hashes(graph, self.roles)
         sample = ()
         if self.sample_output is not None:
@@ -320,7 +298,8 @@ def without_saved(forward: fx.GraphModule, num_outputs: int) -> fx.GraphModule:
     """The inference graph of a step that has a backward: a copy of its forward graph that
     returns the first ``num_outputs`` outputs (the function's own) and not the tensors saved for
     the backward, dead code removed. No-grad calls then run the ops of the grad calls, and
-    the capture does not trace the function a second time (a third of its cost)::
+    the capture does not trace the function a second time (about a fifth of its
+    cost)::
 
         def forward(primals_1, primals_2):            def forward(primals_1, primals_2):
             mm = aten.mm(primals_2, primals_1)            mm = aten.mm(primals_2, primals_1)
@@ -339,6 +318,43 @@ def without_saved(forward: fx.GraphModule, num_outputs: int) -> fx.GraphModule:
     return graph
 
 
+def _trace(gm: fx.GraphModule, inputs, patches: dict) -> dict:
+    """One AOTAutograd trace of ``gm`` (Inductor's decompositions, the min-cut partitioner),
+    with gradients when an input needs them: ``{"forward", "backward", "inference": (graph,
+    inputs), "meta": the forward's ViewAndMutationMeta}``, the inference graph
+    ``without_saved`` when there is a backward. ``capture_graph`` and
+    ``StepGraphs.fingerprints_at`` trace alike, so their fingerprints compare."""
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._guards import TracingContext
+    from torch._inductor.decomposition import select_decomp_table
+
+    captured: dict = {}
+
+    def keep(name):
+        def compiler_fn(graph, graph_inputs):
+            captured[name] = (graph, graph_inputs)
+            if name == "forward":
+                ctx = TracingContext.try_get()
+                captured["meta"] = ctx.fw_metadata if ctx is not None else None
+            return make_boxed_func(graph.forward)
+        return compiler_fn
+
+    needs_grad = any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs)
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True, **patches), \
+            torch.set_grad_enabled(needs_grad):
+        aot_module_simplified(
+            gm, list(inputs), fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+            inference_compiler=keep("inference"),
+            partition_fn=min_cut_rematerialization_partition,
+            decompositions=select_decomp_table())
+    if "backward" in captured and captured.get("meta") is not None:
+        forward, fw_inputs = captured["forward"]
+        captured["inference"] = (
+            without_saved(forward, len(captured["meta"].output_info)), fw_inputs)
+    return captured
+
+
 def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: str,
                   sample_output: int | None = None,
                   memory_budget: float | None = None) -> StepGraphs:
@@ -350,11 +366,6 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
 
     A symbolic dim 0 of the tensor arguments is the batch: the LeanGRPO stage of the pipeline
     finds which saved tensors hold it row by row (``passes/row_layout.py``)."""
-    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._guards import TracingContext
-    from torch._inductor.decomposition import select_decomp_table
-
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     roles = [_role(p, v) for p, v in zip(placeholders, example_inputs)]
     fakes = [_fake(p, v) for p, v in zip(placeholders, example_inputs)]
@@ -367,31 +378,10 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
                  else InputRole(source="<batch>", kind=r.kind)
                  if isinstance(v, torch.SymInt) and v.node.expr == symbol
                  else r for r, v in zip(roles, fakes)]
-    captured: dict = {}
-
-    def keep(name):
-        def compiler_fn(graph, inputs):
-            captured[name] = (graph, inputs)
-            if name == "forward":
-                ctx = TracingContext.try_get()
-                captured["meta"] = ctx.fw_metadata if ctx is not None else None
-            return make_boxed_func(graph.forward)
-        return compiler_fn
-
-    patches = {"force_non_lazy_backward_lowering": True, "enable_autograd_cache": False}
+    patches = {"enable_autograd_cache": False}
     if memory_budget is not None:  # the partitioner saves less and recomputes more
         patches["activation_memory_budget"] = memory_budget
-    needs_grad = any(isinstance(v, torch.Tensor) and v.requires_grad for v in example_inputs)
-    with torch._functorch.config.patch(**patches), torch.set_grad_enabled(needs_grad):
-        aot_module_simplified(
-            gm, list(example_inputs), fw_compiler=keep("forward"),
-            bw_compiler=keep("backward"), inference_compiler=keep("inference"),
-            partition_fn=min_cut_rematerialization_partition,
-            decompositions=select_decomp_table())
-    if "backward" in captured and captured.get("meta") is not None:
-        forward, fw_inputs = captured["forward"]
-        captured["inference"] = (
-            without_saved(forward, len(captured["meta"].output_info)), fw_inputs)
+    captured = _trace(gm, example_inputs, patches)
     inference, inf_inputs = captured["inference"]
     fingerprint, reached = _structural_hashes(inference, roles)
     sample_fp, sample_keys = (), []

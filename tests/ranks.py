@@ -27,7 +27,7 @@ def _with_environment(rank, environ, fn, *args):
     return fn(rank, *args)
 
 
-def start(fn, args=(), nprocs=2, join=True):
+def spawn(fn, args=(), nprocs=2, join=True):
     """``torch.multiprocessing.start_processes`` through the fork server (``join=False``
     returns the context, as there)."""
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
@@ -35,5 +35,11 @@ def start(fn, args=(), nprocs=2, join=True):
                               nprocs=nprocs, join=join, start_method="forkserver")
 
 
-def spawn(fn, args=(), nprocs=2, join=True):
-    return start(fn, args, nprocs, join)
+def from_rank(rank: int, src: int, fn):
+    """Inside a rank: ``fn()`` run on rank ``src`` only and sent to every rank (a
+    single-process reference is the same on every rank, and the ranks share the cores)."""
+    import torch.distributed as dist
+
+    box = [fn() if rank == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

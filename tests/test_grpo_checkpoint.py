@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from leancompile.grpo.trainer import GRPOConfig, GRPOTrainer
 from models import ToyFlowPolicy
-from ranks import start
+from ranks import spawn
 
 CONFIG = GRPOConfig(group_size=2, schedule="retain", beta=0.05, timestep_fraction=0.75)
 
@@ -194,7 +194,7 @@ def _fault_worker(rank, world, init, out, mode):
 
 @pytest.mark.parametrize("mode", ["die", "hang", "fsdp-die", "fsdp-hang"])
 def test_a_dead_or_hung_peer_ends_the_others_with_a_clear_error(tmp_path, mode):
-    ctx = start(_fault_worker, args=(2, str(tmp_path / "init"), str(tmp_path), mode),
+    ctx = spawn(_fault_worker, args=(2, str(tmp_path / "init"), str(tmp_path), mode),
                 nprocs=2, join=False)
     for p in ctx.processes:
         p.join(120)

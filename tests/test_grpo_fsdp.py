@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from grpo_reference import agreement
 from models import ToyFlowPolicy, tiny_flux_policy
-from ranks import spawn
+from ranks import from_rank, spawn
 
 
 def mean_latent_reward(latents, conditions):
@@ -31,14 +31,6 @@ def _full(grads: dict, shapes: dict, world: int) -> dict:
         dist.all_gather(parts, g.contiguous())
         out[name] = torch.cat(parts)[:shapes[name][0]]
     return out
-
-
-def _from_rank(rank, src, fn):
-    """``fn()`` run on rank ``src`` only and sent to every rank: a single-process reference is
-    the same on every rank, and the ranks share the machine's cores."""
-    box = [fn() if rank == src else None]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def _fsdp_worker(rank, world, init, out, kind):
@@ -103,7 +95,7 @@ def _fsdp_worker(rank, world, init, out, kind):
 
         # Each step's references on one rank (the rank that compiles it), spread over ranks.
         owner = list(dict.fromkeys(tuple(sorted(c[2].items())) for c in cases)).index(key)
-        ref_grads, ref_rewards = _from_rank(rank, owner % world, reference)
+        ref_grads, ref_rewards = from_rank(rank, owner % world, reference)
         trainer = GRPOTrainer(sharded_policy, mean_latent_reward, None, cfg, parallel="fsdp")
         if key in compiled:
             trainer._steps = compiled[key]
@@ -145,7 +137,7 @@ def _fsdp_worker(rank, world, init, out, kind):
                 conditions, torch.Generator().manual_seed(9))
             return {n: p.detach() for n, p in policy.named_parameters()}
 
-        stepped = _from_rank(rank, 0, single_step)
+        stepped = from_rank(rank, 0, single_step)
         policy = copy.deepcopy(base)
         sharded = GRPOTrainer(policy, mean_latent_reward,
                               torch.optim.AdamW(policy.parameters(), lr=1e-2), cfg,
@@ -197,7 +189,7 @@ def _fsdp_worker(rank, world, init, out, kind):
             later, first = pending.update(chunk=1).grads, pending.update(chunk=0).grads
             return stale, later, first
 
-        single = _from_rank(rank, 0, lambda: stale_and_out_of_order(None))
+        single = from_rank(rank, 0, lambda: stale_and_out_of_order(None))
         report["stale_rel"] = [agreement(_full(f, shapes, world), s)[1]
                                for f, s in zip(stale_and_out_of_order("fsdp"), single)]
         # LoRA adapters sharded (lora_B random, so the policy is not its reference yet), with
@@ -219,7 +211,7 @@ def _fsdp_worker(rank, world, init, out, kind):
                                                schedule=schedule)
                 return ref.grads, ref.kl
 
-            ref_grads, ref_kl = _from_rank(rank, 0, lora_reference)
+            ref_grads, ref_kl = from_rank(rank, 0, lora_reference)
             sharded = GRPOTrainer(copy.deepcopy(lora), mean_latent_reward, None, lora_cfg,
                                   parallel="fsdp")
             got = sharded.compute_gradients(conditions, torch.Generator().manual_seed(5),

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import leancompile
 from leancompile.passes.flash_all_to_all import A2A_SITE, ATTENTION_SITE
-from ranks import spawn
+from ranks import from_rank, spawn
 
 HEADS = 4
 
@@ -223,14 +223,12 @@ def _grpo(rank, world, out_dir):
     conditions = policy.example_conditions(2, generator=torch.Generator().manual_seed(1),
                                            sequence_length=8)
     config = GRPOConfig(sde="flow_grpo", eta=0.9, group_size=2)
-    # The single-process reference on rank 0 only (the ranks share the machine's cores).
-    refs = [None]
-    if rank == 0:
+    def reference():
         single = GRPOTrainer(policy, mean_latent_reward, None, config)
-        refs = [{s: single.compute_gradients(conditions, torch.Generator().manual_seed(5),
-                                             schedule=s).grads for s in ("recompute", "retain")}]
-    dist.broadcast_object_list(refs, src=0)
-    refs = refs[0]
+        return {s: single.compute_gradients(conditions, torch.Generator().manual_seed(5),
+                                            schedule=s).grads for s in ("recompute", "retain")}
+
+    refs = from_rank(rank, 0, reference)
     sp = parallelize_ulysses(policy.transformer)
     trainer = GRPOTrainer(policy, mean_latent_reward, None, config)
     out = {}
@@ -274,7 +272,7 @@ def _worker(rank, world, init_file, out_dir, names, compiler, skips):
 
 def run_ranks(tmp_path, world, names, compiler="aot_eager", skips=False):
     spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path), names, compiler,
-                            skips), nprocs=world, join=True)
+                         skips), nprocs=world, join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
