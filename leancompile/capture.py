@@ -64,7 +64,13 @@ def _alias_root(node: fx.Node) -> fx.Node:
 
 def _draws_random(node: fx.Node) -> bool:
     """A seeded op draws random numbers unless its dropout probability is 0 (attention ops
-    carry the tag for their ``dropout_p``) or it runs with ``train=False``."""
+    carry the tag for their ``dropout_p``) or it runs with ``train=False``. A random op that
+    activation checkpointing recomputes in the backward is wrapped by the partitioner
+    (``run_and_save_rng_state(aten.rand, ...)``): it draws as the op it wraps."""
+    if isinstance(node.target, torch._ops.HigherOrderOperator) and \
+            "rng_state" in node.target.name():
+        op = next((a for a in node.args if isinstance(a, torch._ops.OpOverload)), None)
+        return op is None or torch.Tag.nondeterministic_seeded in op.tags
     if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
         return False
     schema = getattr(node.target, "_schema", None)
@@ -87,8 +93,13 @@ def _draws_random(node: fx.Node) -> bool:
 
 
 def _describe(node: fx.Node) -> str:
-    text = f"{node.name} ({node.target})"
-    stack = node.meta.get("nn_module_stack")
+    target, meta = node.target, node.meta
+    if isinstance(target, torch._ops.HigherOrderOperator):  # a random op checkpointing redraws
+        target = next((a for a in node.args if isinstance(a, torch._ops.OpOverload)), target)
+        # The partitioner moved the op's metadata to the getitem that returns its value.
+        meta = next((u.meta for u in node.users if u.args[1:] == (1,)), meta)
+    text = f"{node.name} ({target})"
+    stack = meta.get("nn_module_stack")
     if stack:
         path, cls = list(stack.values())[-1]
         cls_name = getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1].strip("'>"))
@@ -165,7 +176,7 @@ class StepGraphs:
     sample_output: int | None = None
     kept_roots: dict = field(default_factory=dict)
     """Storages the saved tensors live in that are not inputs (or views of inputs): name ->
-    bytes (an int, or a SymInt of the batch size)."""
+    bytes (an int, or a sympy expression of ``batch_symbol``)."""
     backward_aten: fx.GraphModule | None = None
     """The backward graph as aten ops that run eagerly (after the pipeline with ``aot_eager``;
     before Inductor's lowering otherwise): what batched Reweight runs under ``torch.func.vmap``
@@ -182,9 +193,8 @@ class StepGraphs:
             return total
         total = 0
         for nbytes in self.kept_roots.values():
-            if isinstance(nbytes, torch.SymInt):
-                subs = {self.batch_symbol: batch} if self.batch_symbol is not None else {}
-                nbytes = int(nbytes.node.expr.subs(subs))
+            if not isinstance(nbytes, int):  # a sympy expression of the batch size
+                nbytes = nbytes.subs({self.batch_symbol: batch})
             total += int(nbytes)
         self._kept_bytes_at[batch] = total
         return total
@@ -242,6 +252,18 @@ def _batch_symbol(fakes, roles):
     return None
 
 
+def size_in_batch(size, symbol):
+    """A traced size as an int or a sympy expression of the batch symbol alone: other
+    symbols (e.g. the size of the generator state a checkpointed random op saves, which the
+    fake mode made symbolic) take the value they were traced with."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expr, shape_env = size.node.expr, size.node.shape_env
+    hints = shape_env.backed_var_to_val
+    expr = expr.subs({s: hints[s] for s in expr.free_symbols if s != symbol and s in hints})
+    return int(expr) if expr.is_number else expr
+
+
 def _structural_hashes(gm: fx.GraphModule, roles: list[InputRole], cut: int | None = None):
     """(hash of each output, indices of the inputs the outputs depend on): a Merkle hash of the
     computation behind every output, placeholders named by their role's source, so that two
@@ -294,6 +316,32 @@ def _structural_hashes(gm: fx.GraphModule, roles: list[InputRole], cut: int | No
     return hashes, sorted(reached)
 
 
+def _backward_saved_order(saved: list, bw_names: list[str]) -> list[int]:
+    """For each saved input of the backward (its placeholders but the cotangents), the index
+    of that value among the forward's saved outputs. The partitioner names them alike, except
+    the generator states of random ops that activation checkpointing recomputes: the forward
+    returns ``getitem(run_and_save_rng_state(...), 0)`` and the backward takes
+    ``rng_state_output_<k>``, in the same order."""
+    position = {node.name: i for i, node in enumerate(saved)}
+    states = iter([i for i, node in enumerate(saved)
+                   if node.op == "call_function" and node.args
+                   and isinstance(node.args[0], fx.Node)
+                   and isinstance(node.args[0].target, torch._ops.HigherOrderOperator)
+                   and node.args[0].target.name() == "run_and_save_rng_state"
+                   and node.args[1] == 0])
+    order = []
+    for name in bw_names:
+        if name in position:
+            order.append(position[name])
+        elif name.startswith("rng_state_output_"):
+            order.append(next(states))
+        else:
+            raise RuntimeError(
+                f"the backward graph takes {name!r}, which is not among what the forward "
+                f"saves ({[n.name for n in saved]}); please report this graph")
+    return order
+
+
 def without_saved(forward: fx.GraphModule, num_outputs: int) -> fx.GraphModule:
     """The inference graph of a step that has a backward: a copy of its forward graph that
     returns the first ``num_outputs`` outputs (the function's own) and not the tensors saved for
@@ -341,7 +389,10 @@ def _trace(gm: fx.GraphModule, inputs, patches: dict) -> dict:
         return compiler_fn
 
     needs_grad = any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs)
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True, **patches), \
+    # Effect tokens (ops with side effects, e.g. linalg.inv's error checks) made and sunk inside
+    # the graphs, as Inductor has them: no extra token inputs or outputs to account for.
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True,
+                                       unlift_effect_tokens=True, **patches), \
             torch.set_grad_enabled(needs_grad):
         aot_module_simplified(
             gm, list(inputs), fw_compiler=keep("forward"), bw_compiler=keep("backward"),
@@ -424,8 +475,7 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
         saved_names = [n.name for n in fw_out[num_outputs:]]
         bw_placeholders = [n.name for n in backward.graph.nodes if n.op == "placeholder"
                            and not n.name.startswith("tangents")]
-        position = {name: i for i, name in enumerate(saved_names)}
-        bw_saved = [position[name] for name in bw_placeholders]
+        bw_saved = _backward_saved_order(fw_out[num_outputs:], bw_placeholders)
         random_ops = _random_ops(forward)
         forward.meta["lean_grpo"] = {
             "num_outputs": num_outputs, "batch_symbol": symbol,
@@ -478,7 +528,8 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
                 continue
             root = _alias_root(node)
             if root.op != "placeholder":
-                kept_roots[root.name] = root.meta["val"].untyped_storage().nbytes()
+                kept_roots[root.name] = size_in_batch(
+                    root.meta["val"].untyped_storage().nbytes(), symbol)
     # The backward as AOTAutograd made it, before the pipeline's passes (Inductor rewrites the
     # graph it lowers; aot_eager's passes rewrite it in place): what Reweight's per-row
     # backward is traced from. FlashOverlap's P2P schedules have no batching rule, and under

@@ -109,8 +109,10 @@ class ToyFlowPolicy(torch.nn.Module):
 
     condition_keys = ("prompt_embeds",)
 
-    def __init__(self, *, steps: int = 4, dim: int = 8, dropout: float = 0.0, seed: int = 0):
+    def __init__(self, *, steps: int = 4, dim: int = 8, dropout: float = 0.0, seed: int = 0,
+                 checkpointing: bool = False):
         super().__init__()
+        self.checkpointing = checkpointing  # activation checkpointing of the MLP
         torch.manual_seed(seed)
         layers = [torch.nn.Linear(dim + 4, 32), torch.nn.GELU()]
         if dropout:
@@ -125,6 +127,8 @@ class ToyFlowPolicy(torch.nn.Module):
             step_index = torch.full((latents.shape[0],), step_index, dtype=torch.long)
         t = self.sigmas[step_index].reshape(-1, 1)
         h = torch.cat([latents, conditions["prompt_embeds"], t], dim=1)
+        if self.checkpointing:
+            return torch.utils.checkpoint.checkpoint(self.net, h, use_reentrant=False)
         return self.net(h)
 
     def initial_latents(self, batch, generator=None):

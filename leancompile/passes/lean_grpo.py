@@ -190,11 +190,12 @@ def graph_flops(gm, batch_symbol, batch: int) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
+    from ..capture import size_in_batch
+
     def concrete(size):
         if isinstance(size, torch.SymInt):
-            if batch_symbol is not None:
-                return int(size.node.expr.subs({batch_symbol: batch}))
-            return int(size.node.hint)
+            size = size_in_batch(size, batch_symbol)
+            return size if isinstance(size, int) else int(size.subs({batch_symbol: batch}))
         return size
 
     mode = FakeTensorMode()
@@ -208,9 +209,39 @@ def graph_flops(gm, batch_symbol, batch: int) -> int:
                 values.append(torch.empty([concrete(d) for d in val.shape], dtype=val.dtype))
             else:
                 values.append(concrete(val))
+    run = gm
+    if any(n.target in _Unwrapped.WRAPPERS for n in gm.graph.nodes):
+        run = _Unwrapped(gm).run  # the flop counter cannot dispatch these wrappers
     with mode, FlopCounterMode(display=False) as counter:
-        gm(*values)
+        run(*values)
     return counter.get_total_flops()
+
+
+class _Unwrapped(torch.fx.Interpreter):
+    """Runs a graph calling the ops that higher-order wrappers hold directly: ops with side
+    effects behind effect tokens (``linalg.inv``'s error check), and random ops whose generator
+    state activation checkpointing saves for the backward. What counts FLOPs on fake tensors,
+    not what runs a step."""
+
+    WRAPPERS = {torch.ops.higher_order.with_effects,
+                torch.ops.higher_order.run_and_save_rng_state,
+                torch.ops.higher_order.run_with_rng_state,
+                torch.ops.prims._make_token.default, torch.ops.prims._sink_tokens.default}
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.higher_order.with_effects:
+            token, op, *rest = args
+            out = op(*rest, **kwargs)
+            return (token, *out) if isinstance(out, tuple) else (token, out)
+        if target is torch.ops.higher_order.run_and_save_rng_state:
+            return torch.empty(0, dtype=torch.uint8), args[0](*args[1:], **kwargs)
+        if target is torch.ops.higher_order.run_with_rng_state:
+            return args[1](*args[2:], **kwargs)
+        if target is torch.ops.prims._make_token.default:
+            return torch.empty(0)
+        if target is torch.ops.prims._sink_tokens.default:
+            return None
+        return super().call_function(target, args, kwargs)
 
 
 def reweight_rows_per_backward(*, rows: int, grad_bytes: int, row_saved_bytes: int,
