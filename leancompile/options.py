@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-__all__ = ["CompileOptions", "COMPILERS"]
+__all__ = ["CompileOptions", "COMPILERS", "OVERLAP_CANDIDATES"]
 
 COMPILERS = ("inductor", "aot_eager")
 # Values later passes will accept; until they land, anything but None is refused with a reason.
@@ -14,6 +14,16 @@ _VARIANTS = ("ring", "direct")
 _MODE_OF_OPTION = {"variant": "flash", "chunks_per_rank": "flash", "chunks": "slice"}
 """The overlap mode each mode-specific option belongs to."""
 _SCHEDULE_VALUES: tuple = (None, "auto", "retain", "reweight", "recompute")
+OVERLAP_CANDIDATES = {
+    "none": {},
+    "flash": {"overlap": "flash"},
+    "flash direct": {"overlap": "flash", "variant": "direct"},
+    "flash 2 chunks per rank": {"overlap": "flash", "chunks_per_rank": 2},
+    "slice 2": {"overlap": "slice", "chunks": 2},
+    "slice 4": {"overlap": "slice", "chunks": 4},
+}
+"""The overlap settings ``overlap="auto"`` chooses from (for a whole graph or per site), simplest
+first, and the values ``overlap_sites`` takes."""
 _ON_ERROR_VALUES = ("skip", "raise")
 
 
@@ -34,9 +44,10 @@ class CompileOptions:
 
     overlap: str | None = None
     """Communication/compute overlap: ``"flash"`` (FlashOverlap: decomposed P2P schedules),
-    ``"slice"`` (the data-slicing baseline, ``chunks`` async collectives), ``"auto"`` (per
-    graph, the candidate the simulator predicts fastest on ``device``: none, flash ring or
-    direct, flash with 2 chunks per rank, slice in 2 or 4) or None (off)."""
+    ``"slice"`` (the data-slicing baseline, ``chunks`` async collectives), ``"auto"`` (what the
+    simulator predicts fastest on ``device``, for each graph: one of ``OVERLAP_CANDIDATES``
+    (none, flash ring or direct, flash with 2 chunks per rank, slice in 2 or 4) for the whole
+    graph, or one per site (``overlap_sites``) when that is predicted faster) or None (off)."""
 
     device: str | None = None
     """``overlap="auto"``: the device profile it predicts on (``leancompile/sim/devices``; a
@@ -58,6 +69,13 @@ class CompileOptions:
     reports it skipped with the exception and warns (the compile goes on); ``"raise"``
     propagates the exception (for debugging; the test suite sets ``LEANCOMPILE_ON_ERROR=raise``,
     which has the same effect)."""
+
+    overlap_sites: tuple = ()
+    """Per collective, an overlap setting other than the graph's: ``{node name: candidate}``
+    (a dict, kept as sorted pairs), the node names as ``explain`` shows them, the candidates
+    those of ``OVERLAP_CANDIDATES`` (``"none"`` leaves the site as it is). Sites not named
+    follow ``overlap=`` (``"flash"`` or ``"slice"``). ``overlap="auto"`` sets it when it
+    predicts that settings chosen site by site beat one setting for the whole graph."""
 
     strict: bool = False
     """With ``overlap=``: a collective the overlap pass left in the graph (skipped, or of a kind
@@ -102,6 +120,17 @@ class CompileOptions:
                     f"{name}={getattr(self, name)!r} applies to overlap={mode!r} only; with "
                     f"overlap={self.overlap!r} it would be ignored: drop it, or pass "
                     f"overlap={mode!r}")
+        if isinstance(self.overlap_sites, dict):
+            object.__setattr__(self, "overlap_sites", tuple(sorted(self.overlap_sites.items())))
+        sites = dict(self.overlap_sites)
+        unknown = {k: v for k, v in sites.items() if v not in OVERLAP_CANDIDATES}
+        if unknown:
+            raise ValueError(f"overlap_sites={unknown!r}: each site takes one of "
+                             f"{list(OVERLAP_CANDIDATES)}")
+        if sites and self.overlap not in ("flash", "slice"):
+            raise ValueError(f"overlap_sites sets some sites apart from overlap=; with "
+                             f"overlap={self.overlap!r} pass overlap='flash' or 'slice' for the "
+                             "sites it does not name")
         if self.device is not None and self.overlap != "auto":
             raise ValueError(f"device={self.device!r} is what overlap='auto' predicts on; with "
                              f"overlap={self.overlap!r} it would be ignored")
@@ -142,10 +171,22 @@ class CompileOptions:
         """Chunks of the slicing baseline in effect (``chunks`` or its default)."""
         return self.chunks or 2
 
+    def for_site(self, name: str) -> "CompileOptions":
+        """The options the collective ``name`` is rewritten with: its ``overlap_sites`` entry
+        when it has one (``overlap=None`` for ``"none"``), else these."""
+        candidate = dict(self.overlap_sites).get(name)
+        if candidate is None:
+            return self
+        extra = OVERLAP_CANDIDATES[candidate]
+        return dataclasses.replace(
+            self, overlap=extra.get("overlap"), variant=extra.get("variant"),
+            chunks_per_rank=extra.get("chunks_per_rank"), chunks=extra.get("chunks"),
+            overlap_sites=(), strict=False)
+
     def cache_key(self) -> dict:
         """Everything that changes what the passes produce, as plain JSON-able data."""
         return {"compiler": self.compiler, "disable": sorted(self.disable),
                 "overlap": self.overlap, "variant": self.variant,
                 "chunks_per_rank": self.chunks_per_rank, "chunks": self.chunks,
                 "on_error": self.on_error, "schedule": self.schedule, "strict": self.strict,
-                "device": self.device}
+                "device": self.device, "overlap_sites": dict(self.overlap_sites)}

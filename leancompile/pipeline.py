@@ -14,10 +14,11 @@ import os
 import time
 from pathlib import Path
 
+import torch
 import torch.fx as fx
 
 from .report import GraphRecord, GraphSnapshot, graph_code, op_counts
-from .options import CompileOptions
+from .options import OVERLAP_CANDIDATES, CompileOptions
 from .passes import PASSES, PassSpec
 from .passes.result import PassResult
 
@@ -77,45 +78,110 @@ class Pipeline:
             op_counts_after=op_counts(gm))
 
     def _run_auto(self, gm: fx.GraphModule, *, phase: str, graph_index: int) -> GraphRecord:
-        """``overlap="auto"``: every candidate of ``AUTO_CANDIDATES`` runs on a copy of
-        ``gm``, the simulator predicts each copy's time on ``options.device``, and the
-        fastest (the first within 1% of it: ties go to the simpler one, and every rank, whose
-        graphs differ only in rank numbers, picks the same) runs on ``gm``. The record's
-        ``auto`` says what was predicted."""
+        """``overlap="auto"``: the simulator predicts ``gm``'s time on ``options.device`` after
+        each candidate of ``OVERLAP_CANDIDATES`` (each run on a copy), then site by site: each
+        site's candidates with every other site left as it is, the best kept for that site
+        (sites that look alike, such as one layer's repeats, are predicted once). The
+        per-site plan is taken when it is predicted at least 1% faster than the best single
+        candidate; else the fastest single candidate (the first within 1% of it: ties go to
+        the simpler one). Every rank's graph differs from another's only in rank numbers, so
+        every rank predicts the same times and picks the same. The record's ``auto`` says
+        what was predicted and which setting each site got."""
         import copy
 
         from .sim.simulate import simulate
 
         device = self.options.device or "h200"
-        plain = dataclasses.replace(self.options, overlap=None, device=None, strict=False)
-        predicted = {}
-        for name, extra in AUTO_CANDIDATES.items():
-            candidate = dataclasses.replace(plain, **extra)
+        plain = dataclasses.replace(self.options, overlap=None, device=None, strict=False,
+                                    overlap_sites=())
+
+        def predict(**extra) -> float:
             trial = copy.deepcopy(gm)
-            Pipeline(candidate).run(trial, phase=phase, graph_index=graph_index)
-            predicted[name] = simulate(trial, device).total_s
+            Pipeline(dataclasses.replace(plain, **extra)).run(
+                trial, phase=phase, graph_index=graph_index)
+            return simulate(trial, device).total_s
+
+        predicted = {name: predict(**extra) for name, extra in OVERLAP_CANDIDATES.items()}
         best = min(predicted.values())
         chosen = next(n for n, t in predicted.items() if t <= best * 1.01)
-        extra = AUTO_CANDIDATES[chosen]
+        sites = overlap_sites(gm)
+        plan = {name: chosen for name in sites}
+        if len(sites) > 1:
+            per_site = self._plan_sites(sites, predicted["none"], predict)
+            if len(set(per_site.values())) > 1:
+                predicted["per site"] = predict(overlap="flash", overlap_sites=per_site)
+                if predicted["per site"] < predicted[chosen] * 0.99:
+                    chosen, plan = "per site", per_site
+        extra = OVERLAP_CANDIDATES.get(chosen, {"overlap": "flash", "overlap_sites": plan})
         concrete = dataclasses.replace(plain, **extra,
                                        strict=self.options.strict and bool(extra))
         record = Pipeline(concrete).run(gm, phase=phase, graph_index=graph_index)
-        record.auto = {"device": device, "chosen": chosen, "predicted_s": predicted}
+        record.auto = {"device": device, "chosen": chosen, "predicted_s": predicted,
+                       "sites": plan}
         log.info("leancompile overlap='auto' %s graph %d on %s: %s (%s)", phase, graph_index,
                  device, chosen, ", ".join(f"{n} {t * 1e3:.3f} ms"
                                            for n, t in predicted.items()))
         return record
 
+    @staticmethod
+    def _plan_sites(sites: dict, none_s: float, predict) -> dict:
+        """Per site, the candidate predicted fastest with every other site left as it is (the
+        first within 0.1% of the graph's time of the best: the simpler one)."""
+        chosen_for: dict[tuple, str] = {}
+        plan = {}
+        for name, (kind, signature) in sites.items():
+            if signature not in chosen_for:
+                left = {other: "none" for other in sites}
+                times = {"none": none_s}
+                for candidate in SITE_CANDIDATES[kind]:
+                    times[candidate] = predict(overlap="flash",
+                                               overlap_sites={**left, name: candidate})
+                fastest = min(times.values())
+                chosen_for[signature] = next(c for c, t in times.items()
+                                             if t <= fastest + 1e-3 * none_s)
+            plan[name] = chosen_for[signature]
+        return plan
 
-AUTO_CANDIDATES = {
-    "none": {},
-    "flash": {"overlap": "flash"},
-    "flash direct": {"overlap": "flash", "variant": "direct"},
-    "flash 2 chunks per rank": {"overlap": "flash", "chunks_per_rank": 2},
-    "slice 2": {"overlap": "slice", "chunks": 2},
-    "slice 4": {"overlap": "slice", "chunks": 4},
+
+AUTO_CANDIDATES = OVERLAP_CANDIDATES
+"""What ``overlap="auto"`` chooses from for a whole graph (``options.OVERLAP_CANDIDATES``)."""
+
+SITE_CANDIDATES = {
+    "all_gather": ("flash", "flash 2 chunks per rank", "slice 2", "slice 4"),
+    "reduce_scatter": ("flash", "flash direct", "flash 2 chunks per rank", "slice 2",
+                       "slice 4"),
+    "all_to_all": ("flash",),
 }
-"""What ``overlap="auto"`` chooses from, simplest first."""
+"""What ``overlap="auto"`` tries at one site of each kind besides ``"none"`` (the variant is a
+reduce-scatter's choice; all-to-alls have the query-split schedule only)."""
+
+
+def overlap_sites(gm: fx.GraphModule) -> dict[str, tuple[str, tuple]]:
+    """The collectives the overlap pass can rewrite, in graph order: name -> (kind, a signature
+    of what it exchanges and what reads or feeds it, alike for a layer's repeats)."""
+    from .passes.flash_all_to_all import ALL_TO_ALL
+
+    kinds = {torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
+             torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
+             ALL_TO_ALL: "all_to_all"}
+
+    def shape(node):
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        return (str(node.target), tuple(map(str, getattr(val, "shape", ()))),
+                str(getattr(val, "dtype", "")))
+
+    def around(node, depth, back):
+        """``node`` and what reads it (``back``: what feeds it), ``depth`` deep."""
+        if depth == 0:
+            return shape(node)
+        near = node.all_input_nodes if back else list(node.users)
+        return (shape(node), tuple(sorted(str(around(n, depth - 1, back)) for n in near)))
+
+    return {node.name: (kinds[node.target], (
+        kinds[node.target], str(node.args[1:]),
+        around(node, 4, back=kinds[node.target] == "reduce_scatter")))
+            for node in gm.graph.nodes
+            if node.op == "call_function" and node.target in kinds}
 
 
 class UnrewrittenCollectiveError(RuntimeError):
@@ -129,14 +195,19 @@ def check_all_rewritten(gm: fx.GraphModule, results: list[PassResult], *, phase:
     """``CompileOptions(strict=True)``: raise ``UnrewrittenCollectiveError`` when ``gm`` still
     holds a collective after the passes, naming each with the reason its pass gave (or that no
     pass rewrites that kind of collective)."""
+    from .passes.flash_overlap import AUTO_KEPT_REASON
+
     reasons = {site.node: f"{result.name}: {site.reason}" for result in results
                for site in result.skipped}
+    chosen = {site.node for result in results for site in result.skipped
+              if site.reason == AUTO_KEPT_REASON}  # overlap_sites keeps them on purpose
     left = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         namespace = getattr(node.target, "namespace", None)
-        if namespace not in _COLLECTIVE_NAMESPACES or "wait_tensor" in str(node.target):
+        if namespace not in _COLLECTIVE_NAMESPACES or "wait_tensor" in str(node.target) or \
+                node.name in chosen:
             continue
         why = reasons.get(node.name) or (
             f"no leancompile pass rewrites {getattr(node.target, '__name__', node.target)}")

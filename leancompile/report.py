@@ -125,6 +125,14 @@ class GraphRecord:
     def summary(self) -> str:
         lines = [f"{self.name}: {sum(self.op_counts_before.values())} -> "
                  f"{sum(self.op_counts_after.values())} ops"]
+        if self.auto:
+            predicted = ", ".join(f"{name} {t * 1e3:.3f} ms"
+                                  for name, t in self.auto["predicted_s"].items())
+            lines.append(f"  overlap='auto' on {self.auto['device']}: {self.auto['chosen']} "
+                         f"(predicted: {predicted})")
+            if self.auto["chosen"] == "per site":
+                lines += [f"    {site}: {setting}"
+                          for site, setting in self.auto["sites"].items()]
         for result in self.passes:
             lines.append(f"  {result.summary()}")
             kinds = Counter(site.kind for site in result.rewritten)
@@ -188,7 +196,8 @@ class Report:
             "cached": self.cached,
             "graphs": [{"name": r.name, "phase": r.phase, "graph_index": r.graph_index,
                         "passes": [p.to_dict() for p in r.passes],
-                        "op_diff": {k: list(v) for k, v in r.op_diff.items()}}
+                        "op_diff": {k: list(v) for k, v in r.op_diff.items()},
+                        "auto": r.auto}
                        for r in self.graphs],
         }
 

@@ -338,6 +338,41 @@ def test_overlap_auto_picks_what_the_simulator_predicts_fastest(tmp_path):
         leancompile.CompileOptions(overlap="flash", device="h200")
 
 
+def test_overlap_auto_chooses_per_site_when_that_is_predicted_faster():
+    """A wide all-gather feeding a large matmul and a narrow reduce-scatter after a small one
+    (the MLP's hidden size below its model size): on H200 the gather hides behind its matmul,
+    while decomposing the reduce-scatter costs more kernels than the little compute it could
+    hide. No single setting is best for both; the per-site plan is."""
+    import leancompile
+    from leancompile.sim.fullscale import rewrite, tp_mlp
+
+    with fake_group(4):
+        graphs = tp_mlp(4, (4, 512, 8192), hidden=1024)
+        gm, record = rewrite(graphs["forward"], "forward", overlap="auto", device="h200",
+                             strict=True)
+        pinned, pinned_record = rewrite(graphs["forward"], "forward", overlap="flash",
+                                        overlap_sites=record.auto["sites"], strict=True)
+    auto = record.auto
+    assert auto["chosen"] == "per site", auto
+    assert auto["sites"] == {"all_gather_into_tensor": "flash",
+                             "reduce_scatter_tensor": "none"}, auto
+    uniform = {k: v for k, v in auto["predicted_s"].items() if k != "per site"}
+    assert auto["predicted_s"]["per site"] < 0.99 * min(uniform.values()), auto
+    targets = [str(n.target) for n in gm.graph.nodes]
+    assert any("p2p_start" in t for t in targets)
+    assert sum("reduce_scatter_tensor" in t for t in targets) == 1  # kept, and strict allows it
+    (site,) = [s for p in record.passes for s in p.skipped if s.node == "reduce_scatter_tensor"]
+    assert site.reason == leancompile.passes.flash_overlap.AUTO_KEPT_REASON
+    assert "overlap='auto' on h200: per site" in record.summary()
+    assert "reduce_scatter_tensor: none" in record.summary()
+    # The plan, pinned with overlap_sites=, gives the same graph.
+    assert str(pinned.code) == str(gm.code)
+    with pytest.raises(ValueError, match="each site takes one of"):
+        leancompile.CompileOptions(overlap="flash", overlap_sites={"x": "ring"})
+    with pytest.raises(ValueError, match="pass overlap='flash' or 'slice'"):
+        leancompile.CompileOptions(overlap_sites={"x": "flash"})
+
+
 def _auto_worker(rank, world, init, out, profile_path):
     import torch.distributed as dist
 
@@ -350,22 +385,30 @@ def _auto_worker(rank, world, init, out, profile_path):
     torch.manual_seed(1 + rank)
     x = torch.randn(16, 32)
     block = _mlp_block(dist.group.WORLD.group_name)
-    results = {}
-    for name, options in (("sequential", {}), ("auto", {"overlap": "auto",
-                                                        "device": profile_path})):
+    # Each site its own setting: the all-gather's flash with 2 slices per rank, the
+    # reduce-scatter sliced in 2 (names as explain shows them).
+    mixed = {"all_gather_into_tensor": "flash 2 chunks per rank",
+             "reduce_scatter_tensor": "slice 2"}
+    results, targets = {}, {}
+    for name, options in (("sequential", {}),
+                          ("auto", {"overlap": "auto", "device": profile_path}),
+                          ("mixed", {"overlap": "flash", "overlap_sites": mixed})):
         torch._dynamo.reset()
         y = torch.compile(block, backend=leancompile.backend(compiler="aot_eager", **options))(
             x, w1, w2)
         results[name] = y
+        report = leancompile.last_report()
         if name == "auto":
-            report = leancompile.last_report()
             chosen = [r.auto["chosen"] for r in report.graphs]
-    diff = (results["auto"] - results["sequential"]).abs().max().item()
+        targets[name] = [op for r in report.graphs for op, k in r.op_counts_after.items()
+                         for _ in range(k)]
+    diffs = {name: (results[name] - results["sequential"]).abs().max().item()
+             for name in ("auto", "mixed")}
     everyone = [None] * world
     dist.all_gather_object(everyone, chosen)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"chosen": everyone, "diff": diff}, f)
+            json.dump({"chosen": everyone, "diffs": diffs, "targets": targets["mixed"]}, f)
     dist.destroy_process_group()
 
 
@@ -385,7 +428,13 @@ def test_overlap_auto_on_two_gloo_ranks_agrees_and_equals_sequential(tmp_path):
     result = json.loads(out.read_text())
     assert result["chosen"][0] == result["chosen"][1] and result["chosen"][0] != ["none"], \
         result
-    assert result["diff"] <= 1e-5, result
+    assert max(result["diffs"].values()) <= 1e-5, result
+    mixed = result["targets"]
+    # The gather's own setting: both of the other rank's 2 slices arrive by a P2P step (one
+    # with the graph's default, 1 slice per rank); the scatter's: 2 sliced collectives.
+    assert sum("p2p_start" in t for t in mixed) == 2
+    assert sum("reduce_scatter_tensor" in t for t in mixed) == 2  # two sliced collectives
+    assert not any("all_gather_into_tensor" in t for t in mixed)
 
 
 def test_trainer_auto_on_a_device_takes_the_fastest_plan_that_fits():

@@ -73,7 +73,7 @@ __all__ = ["flash_overlap_pass", "rewrite_all_gather", "rewrite_reduce_scatter",
 log = logging.getLogger("leancompile")
 
 NAME = "flash_overlap"
-VERSION = 4
+VERSION = 5
 
 aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -815,26 +815,31 @@ class _SiteError(Exception):
         self.message = f"{type(exc).__name__}: {exc}"
 
 
+AUTO_KEPT_REASON = ("overlap_sites leaves it as it is ('none'; overlap='auto' chooses so where "
+                    "the simulator predicts the graph faster with it left to the backend)")
+"""The reason of a site ``overlap_sites`` leaves as it is."""
+
+
 def _rewrite_graph(gm: fx.GraphModule, options, result: PassResult, failed: dict[str, str], *,
                    raise_errors: bool) -> None:
-    overlap = options.overlap
-    m = options.flash_chunks_per_rank if overlap == "flash" else 1
-    divisor = m if overlap == "flash" else options.slice_chunks
     graph = gm.graph
     collectives = [n for n in graph.nodes if n.op == "call_function" and getattr(
         n.target, "namespace", "") == "_c10d_functional" and "wait" not in str(n.target)]
     handled = (torch.ops._c10d_functional.all_gather_into_tensor.default,
                torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    # Each collective's own options: ``options`` itself, or its ``overlap_sites`` entry.
+    site_options = {n.name: options.for_site(n.name) for n in collectives}
     for node in collectives:
-        if node.target is ALL_TO_ALL and overlap == "slice":
+        mode = site_options[node.name].overlap
+        if node.target is ALL_TO_ALL and mode == "slice":
             result.skip(node, A2A_SITE, "overlap='slice' has no all-to-all schedule; use "
                         "overlap='flash' for query-split Ulysses attention")
         elif node.target not in handled and node.target is not ALL_TO_ALL:
             result.skip(node, "collective", f"{node.target} is not an all-gather, "
                         "reduce-scatter or all-to-all; FlashOverlap leaves it to the backend")
     if _WHOLE_GRAPH in failed:
-        _skip_all(graph, collectives, handled, result, failed[_WHOLE_GRAPH], overlap)
-        _insert_probes(graph, result, overlap)
+        _skip_all(graph, collectives, handled, result, failed[_WHOLE_GRAPH], site_options)
+        _insert_probes(graph, result, site_options)
         return
     on_err = "raise" if raise_errors else "skip"
     # Dynamic shapes: a site divisible only under a guard (4*s by 8 needs s even) is rewritten
@@ -842,34 +847,41 @@ def _rewrite_graph(gm: fx.GraphModule, options, result: PassResult, failed: dict
     # turns it into a guard of the compiled region: other sizes recompile). A backward graph
     # adds none; the forward's guard usually proves its sites, and the others are skipped.
     allow_guards = not is_backward_graph(graph)
-    divisor_name = "chunks_per_rank" if overlap == "flash" else "chunks"
-    matches = find_all_gather_matches(graph, result, divisor=divisor, divisor_name=divisor_name,
-                                      allow_guards=allow_guards, on_error=on_err)
+    matches = _per_site(find_all_gather_matches, graph, result, site_options,
+                        lambda m: m.all_gather, AG_SITE, allow_guards=allow_guards,
+                        on_error=on_err)
     for match in _claim_matmuls(matches, result):
         name = match.all_gather.name
         if name in failed:
             result.skip(match.all_gather, AG_SITE, _failed_reason(failed[name]), local="error")
             continue
+        site = site_options[name]
         with _attributed(name):
             _add_guard(match.needs_guard, match.shard)
-            rewrite_all_gather(gm, match, chunks_per_rank=m, overlap=overlap,
-                               chunks=options.slice_chunks, result=result)
-    for match in find_reduce_scatter_matches(graph, result, divisor=divisor,
-                                             divisor_name=divisor_name,
-                                             allow_guards=allow_guards, on_error=on_err):
+            rewrite_all_gather(gm, match, chunks_per_rank=site.flash_chunks_per_rank,
+                               overlap=site.overlap, chunks=site.slice_chunks, result=result)
+    for match in _per_site(find_reduce_scatter_matches, graph, result, site_options,
+                           lambda m: m.reduce_scatter, RS_SITE, allow_guards=allow_guards,
+                           on_error=on_err):
         name = match.reduce_scatter.name
         if name in failed:
             result.skip(match.reduce_scatter, RS_SITE, _failed_reason(failed[name]),
                         local="error")
             continue
+        site = site_options[name]
         with _attributed(name):
             _add_guard(match.needs_guard, match.matmul)
-            rewrite_reduce_scatter(gm, match, chunks_per_rank=m,
-                                   variant=options.flash_variant, overlap=overlap,
-                                   chunks=options.slice_chunks, result=result)
-    if overlap == "flash":
+            rewrite_reduce_scatter(gm, match, chunks_per_rank=site.flash_chunks_per_rank,
+                                   variant=site.flash_variant, overlap=site.overlap,
+                                   chunks=site.slice_chunks, result=result)
+    if any(n.target is ALL_TO_ALL and site_options[n.name].overlap == "flash"
+           for n in collectives):
         for site in find_all_to_all_matches(graph, result, on_error=on_err):
-            name = site.query.all_to_all.name
+            name = site.query.all_to_all.name  # the query all-to-all names the site
+            if site_options[name].overlap != "flash":
+                for a2a in (site.query.all_to_all, site.output.all_to_all):
+                    result.skip(a2a, A2A_SITE, AUTO_KEPT_REASON)
+                continue
             if name in failed:
                 result.skip(site.query.all_to_all, ATTENTION_SITE, _failed_reason(failed[name]),
                             local="error")
@@ -877,16 +889,58 @@ def _rewrite_graph(gm: fx.GraphModule, options, result: PassResult, failed: dict
             with _attributed(name):
                 rewrite_attention(gm, site, result)
     with _attributed(_WHOLE_GRAPH):
-        _insert_probes(graph, result, overlap)
+        _insert_probes(graph, result, site_options)
         if result.rewritten:
             _bind_symbolic_sizes(graph)
         graph.lint()
         gm.recompile()
-    candidates = [n for n in collectives if n.target in handled]
+    candidates = [n for n in collectives if n.target in handled
+                  and site_options[n.name].overlap is not None]
     if not result.rewritten and candidates:  # all-reduces alone: nothing for the pass, no noise
         log.warning("leancompile: overlap=%r rewrote none of the %d all-gathers and "
-                    "reduce-scatters in this graph; see explain() for the reasons: %s", overlap,
-                    len(candidates), "; ".join(str(s) for s in result.skipped) or "none matched")
+                    "reduce-scatters in this graph; see explain() for the reasons: %s",
+                    options.overlap, len(candidates),
+                    "; ".join(str(s) for s in result.skipped) or "none matched")
+
+
+def _per_site(find, graph: fx.Graph, result: PassResult, site_options: dict, collective,
+              kind: str, **kwargs) -> list:
+    """``find`` (``find_all_gather_matches`` or ``find_reduce_scatter_matches``) for each
+    site with the divisor of its own options: one search per divisor in use, each site's
+    match (or skip) taken from the search of its own. Sites ``overlap_sites`` keeps are
+    skipped with the reason. With one setting for every site this is one plain search."""
+    target = (torch.ops._c10d_functional.all_gather_into_tensor.default if kind == AG_SITE
+              else torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is target]
+
+    def key(o):
+        return (o.flash_chunks_per_rank, "chunks_per_rank") if o.overlap == "flash" else \
+            (o.slice_chunks, "chunks")
+    keys = {n.name: key(site_options[n.name]) for n in nodes
+            if site_options[n.name].overlap is not None}
+    if len(set(keys.values())) <= 1 and len(keys) == len(nodes):  # one setting: one search
+        if not keys:
+            return []
+        divisor, name = next(iter(keys.values()))
+        return find(graph, result, divisor=divisor, divisor_name=name, **kwargs)
+    found: dict[str, object] = {}
+    skipped: dict[str, list] = {}
+    for divisor, name in sorted(set(keys.values())):
+        scratch = PassResult(name=result.name)
+        for match in find(graph, scratch, divisor=divisor, divisor_name=name, **kwargs):
+            if keys.get(collective(match).name) == (divisor, name):
+                found[collective(match).name] = match
+        for site in scratch.skipped:
+            if keys.get(site.node) == (divisor, name):
+                skipped.setdefault(site.node, []).append(site)
+    matches = []
+    for node in nodes:
+        if node.name not in keys:
+            result.skip(node, kind, AUTO_KEPT_REASON)
+        elif node.name in found:
+            matches.append(found[node.name])
+        result.skipped.extend(skipped.get(node.name, []))
+    return matches
 
 
 @contextlib.contextmanager
@@ -906,9 +960,11 @@ def _failed_reason(message: str) -> str:
 
 
 def _skip_all(graph: fx.Graph, collectives, handled, result: PassResult, message: str,
-              overlap: str) -> None:
+              site_options: dict) -> None:
     for node in collectives:
-        if node.target in handled or (node.target is ALL_TO_ALL and overlap == "flash"):
+        overlap = site_options[node.name].overlap
+        if overlap is not None and (
+                node.target in handled or (node.target is ALL_TO_ALL and overlap == "flash")):
             kind = (A2A_SITE if node.target is ALL_TO_ALL else
                     AG_SITE if "all_gather" in str(node.target) else RS_SITE)
             result.skip(node, kind, _failed_reason(message), local="error")
@@ -945,18 +1001,18 @@ def _claim_matmuls(matches: list[AllGatherMatch], result: PassResult) -> list[Al
     return sorted(kept, key=lambda m: order[m.all_gather])
 
 
-def _insert_probes(graph: fx.Graph, result: PassResult, overlap: str) -> None:
+def _insert_probes(graph: fx.Graph, result: PassResult, site_options: dict) -> None:
     """A ``p2p_probe`` in front of each collective left in place for a rank-local reason
-    (``Site.local``), for the FlashOverlap schedule (the sliced baseline runs collectives,
-    which report mismatched sizes themselves)."""
-    if overlap != "flash":
-        return
+    (``Site.local``), where its own options are the FlashOverlap schedule (the sliced baseline
+    runs collectives, which report mismatched sizes themselves)."""
     from ..runtime.p2p import P2P_PROBE, group_rank_and_size
 
     nodes = {n.name: n for n in graph.nodes}
     for i, site in enumerate(result.skipped):
         node = nodes.get(site.node)
-        if not site.local or node is None or node.target not in (
+        if not site.local or node is None or \
+                getattr(site_options.get(site.node), "overlap", None) != "flash" or \
+                node.target not in (
                 torch.ops._c10d_functional.all_gather_into_tensor.default,
                 torch.ops._c10d_functional.reduce_scatter_tensor.default, ALL_TO_ALL):
             continue
