@@ -70,6 +70,13 @@ class CompileOptions:
     propagates the exception (for debugging; the test suite sets ``LEANCOMPILE_ON_ERROR=raise``,
     which has the same effect)."""
 
+    attention_split: bool = True
+    """With ``overlap=``: a reduce-scatter whose matmul reads an attention's output with the
+    query rows along the scattered dim (a row-parallel output projection under tensor +
+    sequence parallelism) computes the attention one slice of queries at a time inside its
+    schedule, so the first partials are sent while the rest of the attention runs. ``False``:
+    the attention runs whole first (the schedule covers the projection alone)."""
+
     overlap_sites: tuple = ()
     """Per collective, an overlap setting other than the graph's: ``{node name: candidate}``
     (a dict, kept as sorted pairs), the node names as ``explain`` shows them, the candidates
@@ -137,6 +144,8 @@ class CompileOptions:
         if self.on_error not in _ON_ERROR_VALUES:
             raise ValueError(f"on_error={self.on_error!r} is not supported; use one of "
                              f"{_ON_ERROR_VALUES}")
+        if not isinstance(self.attention_split, bool):
+            raise ValueError(f"attention_split={self.attention_split!r} must be True or False")
         if not isinstance(self.strict, bool):
             raise ValueError(f"strict={self.strict!r} must be True or False")
         if self.strict and self.overlap is None:
@@ -189,4 +198,5 @@ class CompileOptions:
                 "overlap": self.overlap, "variant": self.variant,
                 "chunks_per_rank": self.chunks_per_rank, "chunks": self.chunks,
                 "on_error": self.on_error, "schedule": self.schedule, "strict": self.strict,
-                "device": self.device, "overlap_sites": dict(self.overlap_sites)}
+                "device": self.device, "overlap_sites": dict(self.overlap_sites),
+                "attention_split": self.attention_split}

@@ -142,6 +142,8 @@ class GraphRecord:
                 lines.append(f"    rewrote {count} x {kind}: {shown}")
             for site in result.skipped:
                 lines.append(f"    skipped {site}")
+            for note in result.notes:
+                lines.append(f"    note: {note}")
         if self.op_diff:
             lines.append("  op counts changed:")
             for op, (b, a) in self.op_diff.items():

@@ -338,6 +338,20 @@ def test_overlap_auto_picks_what_the_simulator_predicts_fastest(tmp_path):
         leancompile.CompileOptions(overlap="flash", device="h200")
 
 
+def test_query_split_attention_hides_more_than_flash_rs_on_the_projection_alone():
+    """A TP+SP self-attention layer at DiT size on 4 x A6000 (PCIe): Flash-RS next to the
+    output projection alone has one projection slice per hop to hide the transfer behind;
+    with the attention split by query each hop also hides a slice of the attention, and the
+    first partial leaves after a quarter of it."""
+    report = simulate_schemes(device="a6000", tp=4, shape=(2, 8192, 3072), case="attention",
+                              slices=(2,))
+    schemes = report["schemes"]
+    split, alone = schemes["flash"], schemes["flash_projection"]
+    assert split["rewritten"] == alone["rewritten"] == 2
+    assert split["exposed_comm_s"] < 0.5 * alone["exposed_comm_s"], (split, alone)
+    assert split["total_s"] < 0.9 * alone["total_s"] < schemes["sequential"]["total_s"]
+
+
 def test_overlap_auto_chooses_per_site_when_that_is_predicted_faster():
     """A wide all-gather feeding a large matmul and a narrow reduce-scatter after a small one
     (the MLP's hidden size below its model size): on H200 the gather hides behind its matmul,

@@ -1,7 +1,9 @@
 """``leancompile bench overlap --nproc 2|4``: one tensor+sequence-parallel MLP layer, forward and
 backward, compiled without the pass (sequential), with ``overlap="slice"``, ``"flash"`` (ring)
 and ``"flash"`` with ``variant="direct"``, timed in one run on gloo; ratios to sequential and
-the largest difference of outputs and gradients from sequential's. ``--case ulysses``: one
+the largest difference of outputs and gradients from sequential's. ``--case attention``: one
+TP+SP self-attention layer, the same schemes and ``flash_projection`` (``attention_split=False``:
+the attention whole, then Flash-RS on the output projection alone). ``--case ulysses``: one
 Ulysses sequence-parallel attention layer (QKV projection, all-to-alls, attention, output
 projection; ``--dim`` split into ``--heads`` heads), sequential against ``"flash"`` (query-split
 attention).
@@ -71,6 +73,30 @@ def _ulysses_layer(world, seq, dim, heads):
     return layer, [wqkv, wo]
 
 
+def _attention_layer(world, seq, dim, heads):
+    """One tensor + sequence parallel self-attention layer (no mask, as in a DiT): gather the
+    sequence, this rank's heads of the QKV projection, attention, the row-parallel output
+    projection reduce-scattered back to sequence shards."""
+    import torch.distributed._functional_collectives as funcol
+
+    torch.manual_seed(0)
+    local, hd = heads // world, dim // heads
+    wqkv = (torch.randn(dim, 3 * local * hd) / dim ** 0.5).requires_grad_()
+    wo = (torch.randn(local * hd, dim) / dim ** 0.5).requires_grad_()
+    group = dist.group.WORLD
+
+    def layer(x):
+        h = funcol.all_gather_tensor(x, 0, group)
+        s = h.shape[0]
+        q, k, v = (h @ wqkv).view(1, s, 3, local, hd).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2))
+        att = att.transpose(1, 2).reshape(s, local * hd)
+        return funcol.reduce_scatter_tensor(att @ wo, "sum", 0, group)
+
+    return layer, [wqkv, wo]
+
+
 def _layer_step(layer, params, x, **options):
     """``layer`` compiled by leancompile with ``options`` (``aot_eager``) and a function that
     runs one forward + backward of it on ``x`` (loss: sum of squares) and returns the output
@@ -101,13 +127,19 @@ def _worker(rank, world, init, out, cfg):
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    ulysses = cfg.get("case") == "ulysses"
-    layer, params = (_ulysses_layer(world, cfg["seq"], cfg["dim"], cfg["heads"]) if ulysses else
-                     _layer(world, cfg["seq"], cfg["dim"], cfg["hidden"]))
+    case = cfg.get("case", "mlp")
+    ulysses = case == "ulysses"
+    build = {"ulysses": lambda: _ulysses_layer(world, cfg["seq"], cfg["dim"], cfg["heads"]),
+             "attention": lambda: _attention_layer(world, cfg["seq"], cfg["dim"], cfg["heads"]),
+             "mlp": lambda: _layer(world, cfg["seq"], cfg["dim"], cfg["hidden"])}
+    layer, params = build[case]()
     torch.manual_seed(1 + rank)
     x = torch.randn(cfg["seq"] // world, cfg["dim"], requires_grad=True)
     results, reference = {}, None
     schemes = {k: SCHEMES[k] for k in ("sequential", "flash")} if ulysses else SCHEMES
+    if case == "attention":  # query-split attention against Flash-RS on the projection alone
+        schemes = {**SCHEMES, "flash_projection": {"overlap": "flash",
+                                                   "attention_split": False}}
     for name, options in schemes.items():
         torch._dynamo.reset()
         step = _layer_step(layer, params, x, **options)
@@ -144,8 +176,8 @@ def run(nproc: int = 2, seq: int = 2048, dim: int = 512, hidden: int = 2048,
         iters: int = 5, *, case: str = "mlp", heads: int = 8) -> dict:
     if seq % nproc or hidden % nproc:
         raise ValueError(f"seq={seq} and hidden={hidden} must be divisible by nproc={nproc}")
-    if case == "ulysses" and (heads % nproc or dim % heads):
-        raise ValueError(f"--case ulysses: heads={heads} must be divisible by nproc={nproc} "
+    if case in ("ulysses", "attention") and (heads % nproc or dim % heads):
+        raise ValueError(f"--case {case}: heads={heads} must be divisible by nproc={nproc} "
                          f"and dim={dim} by heads")
     cfg = {"seq": seq, "dim": dim, "hidden": hidden, "iters": iters, "case": case,
            "heads": heads}
@@ -179,12 +211,14 @@ def main(argv=None) -> int:
     sim.add_argument("--backward", action="store_true", help="forward and backward")
     sim.add_argument("--slices", default="2,4,8", help="chunks of the slicing baseline")
     sim.add_argument("--case", default="mlp",
-                     choices=("mlp", "llama-tp", "fsdp-mlp", "ulysses"),
+                     choices=("mlp", "llama-tp", "fsdp-mlp", "attention", "ulysses"),
                      help="mlp: the FlashOverlap paper's TP+SP MLP; llama-tp: a Llama block "
                           "under TP+SP; fsdp-mlp: an MLP with all-gathered weights (--tp is "
-                          "then the data-parallel world, --shape one rank's batch); ulysses: "
-                          "a Ulysses sequence-parallel attention layer (measured on gloo "
-                          "only, not simulated)")
+                          "then the data-parallel world, --shape one rank's batch); "
+                          "attention: a TP+SP self-attention layer, query-split attention "
+                          "against Flash-RS on the output projection alone (flash_projection; "
+                          "measured or simulated); ulysses: a Ulysses sequence-parallel "
+                          "attention layer (measured on gloo only, not simulated)")
     sim.add_argument("--validate", action="store_true",
                      help="calibrate cpu-gloo here, then simulated vs measured per scheme on "
                           "2 and 4 gloo ranks")
@@ -196,20 +230,21 @@ def main(argv=None) -> int:
             p.error("--case ulysses is measured on gloo only; the simulator does not model "
                     "all-to-alls yet")
         return _simulated(ns)
-    if ns.case not in ("mlp", "ulysses"):
+    if ns.case not in ("mlp", "ulysses", "attention"):
         p.error(f"--case {ns.case} is simulated only (add --simulate)")
     report = run(ns.nproc, ns.seq, ns.dim, ns.hidden, ns.iters, case=ns.case, heads=ns.heads)
     if ns.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"Ulysses attention layer, {ns.nproc} ranks (gloo, CPU), seq {ns.seq}, dim "
-              f"{ns.dim}, {ns.heads} heads" if ns.case == "ulysses" else
+        print(f"{'Ulysses' if ns.case == 'ulysses' else 'TP+SP'} attention layer, "
+              f"{ns.nproc} ranks (gloo, CPU), seq {ns.seq}, dim {ns.dim}, {ns.heads} heads"
+              if ns.case in ("ulysses", "attention") else
               f"TP+SP MLP layer, {ns.nproc} ranks (gloo, CPU), seq {ns.seq}, dim {ns.dim}, "
               f"hidden {ns.hidden}", end="")
         print(f"; forward + backward, median of {ns.iters}")
-        print(f"{'scheme':12s} {'seconds':>9s} {'ratio':>7s} {'sites':>6s} {'max |diff|':>11s}")
+        print(f"{'scheme':16s} {'seconds':>9s} {'ratio':>7s} {'sites':>6s} {'max |diff|':>11s}")
         for name, e in report["schemes"].items():
-            print(f"{name:12s} {e['total_s']:9.4f} {e['ratio_to_sequential']:7.3f} "
+            print(f"{name:16s} {e['total_s']:9.4f} {e['ratio_to_sequential']:7.3f} "
                   f"{e['rewritten_sites']:6d} {e['max_abs_diff']:11.3e}")
     return 0
 
@@ -261,7 +296,8 @@ def _simulated(ns) -> int:
         return 0
     cfg = report["config"]
     what = {"mlp": "TP+SP MLP block (hidden 4d)", "llama-tp": "Llama block under TP+SP",
-            "fsdp-mlp": "FSDP-style MLP block (weights all-gathered)"}[cfg["case"]]
+            "fsdp-mlp": "FSDP-style MLP block (weights all-gathered)",
+            "attention": "TP+SP self-attention layer (32 heads, no mask)"}[cfg["case"]]
     print(f"{what}, simulated on {cfg['device']}: {cfg['tp']} ranks, (b, s, d) = "
           f"{tuple(cfg['shape'])}, {cfg['dtype']}, {' + '.join(cfg['phases'])}")
     print(f"{'scheme':12s} {'total ms':>9s} {'compute':>9s} {'comm':>9s} {'exposed':>9s} "

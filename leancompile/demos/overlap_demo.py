@@ -23,9 +23,10 @@ __all__ = ["main", "Block", "parallelize_block"]
 class Block(nn.Module):
     """Pre-norm attention + MLP (a Llama-style block with LayerNorm and GELU for brevity)."""
 
-    def __init__(self, dim: int = 64, head_dim: int = 16, hidden: int = 128):
+    def __init__(self, dim: int = 64, head_dim: int = 16, hidden: int = 128,
+                 causal: bool = True):
         super().__init__()
-        self.head_dim = head_dim
+        self.head_dim, self.causal = head_dim, causal
         self.attn_norm, self.mlp_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
         self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
@@ -35,7 +36,7 @@ class Block(nn.Module):
         b, s, _ = h.shape
         q, k, v = (p(h).view(b, s, -1, self.head_dim).transpose(1, 2)
                    for p in (self.q, self.k, self.v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
         return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
 

@@ -44,6 +44,7 @@ import torch.fx as fx
 
 from .flash_overlap_match import (_Skip, _descendants, _describe, _find, _only_wait,
                                   _reshape_groups, _shape)
+from ..runtime.flash_schedules import _cat_like
 from .result import PassResult
 
 aten = torch.ops.aten
@@ -313,16 +314,6 @@ def _replay(chain, dims, world: int, x: torch.Tensor) -> torch.Tensor:
         else:  # alias
             x = aten.alias.default(x)
     return x
-
-
-def _cat_like(pieces: list[torch.Tensor], dim: int, like: torch.Tensor) -> torch.Tensor:
-    """``cat(pieces, dim)`` with the memory layout (stride order) of ``like``, a dense tensor
-    the pieces slice along ``dim``."""
-    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), -d))
-    if order == list(range(like.dim())):
-        return torch.cat(pieces, dim)
-    inverse = [order.index(d) for d in range(like.dim())]
-    return torch.cat([p.permute(order) for p in pieces], order.index(dim)).permute(inverse)
 
 
 def rewrite_attention(gm: fx.GraphModule, match: AttentionMatch, result: PassResult) -> None:

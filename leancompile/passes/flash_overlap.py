@@ -63,7 +63,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .flash_all_to_all import (A2A_SITE, ALL_TO_ALL, ATTENTION_SITE, find_all_to_all_matches,
                                rewrite_attention)
 from .flash_overlap_match import (_SAME_LAYOUT, AG_SITE, RS_SITE, AllGatherMatch,
-                                  ReduceScatterMatch, _same_shape, find_all_gather_matches,
+                                  ReduceScatterMatch, _same_shape, _Skip,
+                                  find_all_gather_matches,
                                   find_reduce_scatter_matches, is_backward_graph)
 from .result import PassResult
 
@@ -581,11 +582,13 @@ def _users_before(nodes, anchor: fx.Node, order: dict) -> list[fx.Node]:
 
 def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
                            chunks_per_rank: int, variant: str, overlap: str, chunks: int,
-                           result: PassResult) -> bool:
+                           result: PassResult, split_attention: bool = False) -> bool:
     """Replace ``mm(A, B) -> [reshape, transpose, split+cat] -> wait(reduce_scatter(., "sum"))``
     with this rank's Flash-RS schedule (ring or direct), or the sliced baseline: output
     reduce-scatters (row-parallel) and weight-gradient reduce-scatters (``dW = mm(t(dY), X)``,
-    FSDP-style) alike, scattered on the product's rows or columns."""
+    FSDP-style) alike, scattered on the product's rows or columns. ``split_attention``: when
+    ``A`` is an attention's output with its query rows along the scattered dim, the schedule
+    computes the attention slice by slice as well (``flash_attention_rs``)."""
     site = match.reduce_scatter
     if match.terms:
         return _rewrite_sum_reduce_scatter(gm, match, chunks_per_rank=chunks_per_rank,
@@ -625,6 +628,24 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
 
     run = _rs_schedule(overlap, group_name=group, scatter_dim=dim, chunks=chunks,
                        variant=variant, chunks_per_rank=m, out_dtype=out_dtype)
+    if split_attention and not transposed:
+        from .flash_attention_rs import match_attention_rows, rewrite_attention_reduce_scatter
+
+        slices = match.group_size * (m if overlap == "flash" else chunks)
+        try:
+            rows = match_attention_rows(a, tuple(in_shape), dim, slices)
+        except _Skip as skip:
+            rows = None
+            result.notes.append(f"{skip.node.name} is not split by query: {skip.args[0]}; "
+                                f"{site.name} is rewritten next to the projection alone")
+        if rows is not None:
+            try:
+                rewrite_attention_reduce_scatter(gm, match, rows, b, bias, tuple(in_shape), dim,
+                                                 run, result)
+                return True
+            except _Unsupported as why:
+                result.notes.append(f"{rows.attention.name} is not split by query: {why}; "
+                                    f"{site.name} is rewritten next to the projection alone")
     return _place_reduce_scatter(gm, match, schedule, inputs, [match.matmul], result)
 
 
@@ -873,7 +894,8 @@ def _rewrite_graph(gm: fx.GraphModule, options, result: PassResult, failed: dict
             _add_guard(match.needs_guard, match.matmul)
             rewrite_reduce_scatter(gm, match, chunks_per_rank=site.flash_chunks_per_rank,
                                    variant=site.flash_variant, overlap=site.overlap,
-                                   chunks=site.slice_chunks, result=result)
+                                   chunks=site.slice_chunks, result=result,
+                                   split_attention=site.attention_split)
     if any(n.target is ALL_TO_ALL and site_options[n.name].overlap == "flash"
            for n in collectives):
         for site in find_all_to_all_matches(graph, result, on_error=on_err):

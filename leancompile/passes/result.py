@@ -40,6 +40,9 @@ class PassResult:
     skipped: list[Site] = field(default_factory=list)
     seconds: float = 0.0
     disabled: bool = False
+    notes: list[str] = field(default_factory=list)
+    """How a rewritten site was rewritten where that is a choice the pass made (e.g. an
+    attention before a reduce-scatter not split by query, and why)."""
 
     def rewrite(self, node, kind: str) -> None:
         self.rewritten.append(Site(node=_name(node), kind=kind, target=_target(node)))

@@ -327,7 +327,7 @@ def _partial(terms: list[tuple[Tensor, Tensor, Tensor | None]], d: int, ranges,
 def _rs_terms(fn: str, h, w, bias) -> list[tuple[Tensor, Tensor, Tensor | None]]:
     """(h_i, w_i, bias_i) of a reduce-scatter schedule's sum of matmuls: ``h``/``w`` a tensor
     each (one matmul) or sequences of equal length (``bias`` then None or a sequence)."""
-    if isinstance(h, Tensor) and isinstance(w, Tensor):
+    if isinstance(w, Tensor) and not isinstance(h, (list, tuple)):  # a tensor or AttentionRows
         return [(h, w, bias)]
     hs, ws = list(h), list(w)
     bs = [None] * len(hs) if bias is None else list(bias)
@@ -536,6 +536,96 @@ def flash_matmul_reduce_scatter(h: Tensor | Sequence[Tensor], w: Tensor | Sequen
                 tag=step.send.tag), [])
     assert not pending, "flash_rs_steps left an exchange unwaited"
     return _cat([result[(rank, c)] for c in range(m)], d)
+
+
+class AttentionRows:
+    """The rows of ``h`` (``shape``, the input of a reduce-scatter's matmul) computed when a
+    schedule reads them: ``h = reshape(chain(attention(q, k, v, *args)[0]), shape)``, the rows
+    along ``dim`` being the query rows of ``q`` ([batch, heads, sequence, head_dim]; with
+    ``merged``, the (batch, query) pairs, batch-major). ``narrow(dim, start, length)`` runs the
+    attention for those queries alone (every query row attends to all of its batch's keys and
+    values on its own, so a slice of queries gives those rows of the output) and ``chain``
+    (the layout ops between the attention and the matmul, told the slice's query count). What
+    the schedule computed is kept: ``assembled()`` returns the attention's outputs for all
+    queries, which the backward graph saves.
+
+    Used by the FlashOverlap rewrite of ``attention -> matmul -> reduce_scatter`` (query-split
+    attention: the first partials are sent while the other slices' attention still runs)."""
+
+    def __init__(self, attention, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict,
+                 chain, shape, dim: int, *, merged: bool = False):
+        self._attention, self._q, self._k, self._v = attention, q, k, v
+        self._args, self._kwargs, self._chain = args, kwargs, chain
+        self.shape = tuple(shape)
+        self._dim, self._merged = dim, merged
+        self.dtype, self.device = q.dtype, q.device
+        self._batch, self._seq = q.size(0), q.size(2)
+        self._computed: dict[tuple[int, int], tuple] = {}  # (batch, query) start -> outputs
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, d: int):
+        return self.shape[d]
+
+    def _block(self, start: int, length: int) -> tuple[int, int, int, int]:
+        """(first batch, batches, first query, queries) of rows [start, start + length)."""
+        if not self._merged:
+            rows = self.shape[self._dim]
+            return 0, self._batch, start * self._seq // rows, length * self._seq // rows
+        seq = self._seq
+        if length % seq == 0 and start % seq == 0:
+            return start // seq, length // seq, 0, seq
+        if (start % seq) + length > seq:
+            raise ValueError(f"AttentionRows: rows [{start}, {start + length}) straddle a batch "
+                             f"of {seq} queries")
+        return start // seq, 1, start % seq, length
+
+    def narrow(self, d: int, start: int, length: int) -> Tensor:
+        if d != self._dim:
+            raise ValueError(f"AttentionRows: rows are split along dim {self._dim}, not {d}")
+        b0, nb, q0, ql = self._block(start, length)
+        q, k, v = self._q, self._k, self._v
+        if nb != self._batch:
+            q, k, v = q.narrow(0, b0, nb), k.narrow(0, b0, nb), v.narrow(0, b0, nb)
+        outs = self._attention(q.narrow(2, q0, ql), k, v, *self._args, **self._kwargs)
+        self._computed.setdefault((b0, q0), outs)
+        shape = list(self.shape)
+        shape[d] = length
+        return self._chain(outs[0], ql).reshape(shape)
+
+    def assembled(self, likes) -> list[Tensor]:
+        """For each attention output (``likes``: its full-size value, for the memory layout;
+        None for an output nobody reads), the computed blocks put together (queries in dim 2,
+        batches in dim 0); they must cover every (batch, query) row."""
+        starts = sorted(self._computed)
+        covered = sum(self._computed[s][0].size(0) * self._computed[s][0].size(2)
+                      for s in starts)
+        if covered != self._batch * self._seq:
+            raise RuntimeError(f"AttentionRows: the schedule computed {covered} of "
+                               f"{self._batch * self._seq} (batch, query) rows")
+        full = []
+        for i, like in enumerate(likes):
+            if like is None:
+                continue
+            batches: dict[int, list[Tensor]] = {}
+            for b0, q0 in starts:
+                batches.setdefault(b0, []).append(self._computed[b0, q0][i])
+            rows = [_cat_like(parts, 2, like) for _, parts in sorted(batches.items())]
+            full.append(_cat_like(rows, 0, like))
+        return full
+
+
+def _cat_like(pieces: list[Tensor], dim: int, like: Tensor) -> Tensor:
+    """``cat(pieces, dim)`` with the memory layout (stride order) of ``like``, a dense tensor
+    the pieces slice along ``dim``."""
+    if len(pieces) == 1:
+        return pieces[0]
+    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), -d))
+    if order == list(range(like.dim())):
+        return torch.cat(pieces, dim)
+    inverse = [order.index(d) for d in range(like.dim())]
+    return torch.cat([p.permute(order) for p in pieces], order.index(dim)).permute(inverse)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -169,3 +169,37 @@ def llama_tp_block(tp: int, shape: tuple[int, int, int], *, heads: int = 32,
                                                 group)
 
     return trace_graphs(block, x, *weights, backward=backward)
+
+
+def tp_attention(tp: int, shape: tuple[int, int, int], *, heads: int = 32,
+                 dtype=torch.bfloat16, backward: bool = False,
+                 group=None) -> dict[str, fx.GraphModule]:
+    """A self-attention layer under tensor + sequence parallelism, as in a DiT block (no
+    causal mask): the sequence-sharded input all-gathered before the column-parallel QKV
+    projection, attention on this rank's heads, the row-parallel output projection
+    reduce-scattered back (rows ``[batch * sequence]``, as torchtitan lays them out). The
+    attention is the CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, which
+    has meta kernels) so that the traced graph keeps it whole, as a GPU trace keeps its flash
+    kernel; the simulator counts it as flash attention."""
+    import torch.distributed._functional_collectives as funcol
+    import torch.nn.functional as F
+
+    b, s, d = shape
+    if heads % tp or (b * s) % tp or d % heads:
+        raise ValueError(f"heads {heads} and tokens {b * s} must divide by tp={tp}, and dim "
+                         f"{d} by heads")
+    group = dist.group.WORLD if group is None else group
+    hd, local = d // heads, heads // tp
+    x = torch.empty(b * s // tp, d, device="meta", dtype=dtype, requires_grad=backward)
+    wqkv = torch.empty(3 * local * hd, d, device="meta", dtype=dtype, requires_grad=backward)
+    wo = torch.empty(d, local * hd, device="meta", dtype=dtype, requires_grad=backward)
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def layer(x, wqkv, wo):
+        h = funcol.all_gather_tensor(x, 0, group)
+        q, k, v = F.linear(h, wqkv).view(b, s, 3, local, hd).unbind(2)
+        att = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))[0]
+        att = att.transpose(1, 2).reshape(b * s, local * hd)
+        return funcol.reduce_scatter_tensor(F.linear(att, wo), "sum", 0, group)
+
+    return trace_graphs(layer, x, wqkv, wo, backward=backward)

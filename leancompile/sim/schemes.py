@@ -1,12 +1,13 @@
 """The overlap schemes side by side on a simulated device (``leancompile bench overlap
 --simulate``): one block traced at full size (``--case``: ``mlp``, the FlashOverlap paper's
 TP+SP MLP, ``fullscale.tp_mlp``; ``llama-tp``, a Llama block under TP+SP; ``fsdp-mlp``, an MLP
-whose weights are all-gathered), rewritten by each scheme's options, simulated
+whose weights are all-gathered; ``attention``, a TP+SP self-attention layer), rewritten by each scheme's options, simulated
 (``simulate.simulate``).
 
 Schemes: ``sequential`` (no pass), ``slice_<k>`` (the data-slicing baseline, k chunks),
 ``flash`` (FlashOverlap, ring reduce-scatter), ``direct`` (FlashOverlap, direct reduce-scatter),
-``async_tp`` (PyTorch's async-TP: the local shard's matmul first while peers' shards are copied
+``flash_projection`` (``--case attention`` only: ``flash`` with ``attention_split=False``, the
+attention run whole before Flash-RS on the output projection), ``async_tp`` (PyTorch's async-TP: the local shard's matmul first while peers' shards are copied
 in one by one, partials written straight into their owners' buffers; in this model that is the
 flash all-gather with the direct reduce-scatter, with the transfers one-sided: it needs
 symmetric memory, so on a device profile without it the scheme is reported unavailable with the
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .devices import device_profile
-from .fullscale import fake_group, fsdp_mlp, llama_tp_block, rewrite, tp_mlp
+from .fullscale import fake_group, fsdp_mlp, llama_tp_block, rewrite, tp_attention, tp_mlp
 from .simulate import simulate
 
 __all__ = ["simulate_schemes"]
@@ -26,12 +27,14 @@ __all__ = ["simulate_schemes"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _schemes(slices) -> dict[str, dict]:
+def _schemes(slices, case: str = "mlp") -> dict[str, dict]:
     out = {"sequential": {}}
     out.update({f"slice_{k}": {"overlap": "slice", "chunks": k} for k in slices})
     out["async_tp"] = {"overlap": "flash", "variant": "direct"}
     out["flash"] = {"overlap": "flash"}
     out["direct"] = {"overlap": "flash", "variant": "direct"}
+    if case == "attention":  # Flash-RS next to the output projection alone
+        out["flash_projection"] = {"overlap": "flash", "attention_split": False}
     return out
 
 
@@ -39,6 +42,7 @@ CASES = {
     "mlp": tp_mlp,            # the FlashOverlap paper's TP+SP MLP block
     "llama-tp": llama_tp_block,  # a Llama block under TP+SP (attention + SwiGLU)
     "fsdp-mlp": fsdp_mlp,     # an MLP block whose weights are all-gathered (FSDP-style)
+    "attention": tp_attention,  # TP+SP self-attention (DiT-style, no mask): query split
 }
 
 
@@ -57,7 +61,7 @@ def simulate_schemes(*, device="h200", tp: int = 4, shape=(32, 4096, 4096), dtyp
     results = {}
     with fake_group(tp):
         graphs = CASES[case](tp, tuple(shape), dtype=_DTYPES[dtype], backward=backward)
-        for name, options in _schemes(slices).items():
+        for name, options in _schemes(slices, case).items():
             if name == "async_tp" and not profile.symmetric_memory:
                 results[name] = {
                     "total_s": None, "compute_s": None, "comm_s": None, "exposed_comm_s": None,
