@@ -430,14 +430,15 @@ EXPECTED = {
     "dtensor": {"forward": (1, 1, []), "backward": (1, 1, [])},
     # Forward: one gather feeds Q, K and V (one site). Backward: DTensor reduce-scatters each
     # of the three input gradients before summing them: three sites.
-    "attn": {"forward": (1, 1, []), "backward": (1, 3, [])},
-    # The same without a causal mask: the output projection's reduce-scatter computes the
-    # attention query slice by query slice (one site of its own kind).
+    # The output projection's reduce-scatter computes the attention query slice by query slice
+    # (one site of its own kind), with the causal mask and without.
+    "attn": {"forward": (1, 0, [], 1), "backward": (1, 3, [])},
     "attn_split": {"forward": (1, 0, [], 1), "backward": (1, 3, [])},
     # Flat (batch, query) rows: the slices are whole sequences, or parts of one.
     "attn_rows": {"forward": (1, 0, [], 1), "backward": (1, 1, [])},
-    # Per layer: QKV and gate/up (one site each), o and down; plus the head's gather.
-    "llama": {"forward": (5, 4, []), "backward": (4, 11, [])},
+    # Per layer: QKV and gate/up (one site each), o (with its causal attention) and down; plus
+    # the head's gather.
+    "llama": {"forward": (5, 2, [], 2), "backward": (4, 11, [])},
     # One gather feeds w1, w3 and w4; the backward reduce-scatters the sum of their three
     # input gradients (one site).
     "gated": {"forward": (1, 1, []), "backward": (1, 1, [])},
@@ -512,6 +513,8 @@ def test_two_ranks(tmp_path):
          "options": {"overlap": "flash", "attention_split": False}},
         {"name": "attn_rows_m2_off", "model": "attn_rows", "seq": 16,
          "options": {"overlap": "flash", "chunks_per_rank": 2, "attention_split": False}},
+        {"name": "llama_off", "model": "llama", "seq": 16,
+         "options": {"overlap": "flash", "attention_split": False}},
     ]
     ranks = run_ranks(tmp_path, 2, cases)
     for rank, records in enumerate(ranks):
@@ -527,16 +530,18 @@ def test_two_ranks(tmp_path):
             assert max(rec["diff"]) <= tol, (rank, name, rec["diff"])
             assert max(rec["vs_eager"]) <= 1e-5, (rank, name, rec["vs_eager"])
             if name.endswith("_off"):  # Flash-RS next to the projection alone
-                assert sorted(rec["report"]["graph0_forward"]["rewritten"]) == [AG, RS], rec
+                forward = sorted(rec["report"]["graph0_forward"]["rewritten"])
+                assert SPLIT not in forward and RS in forward, rec
             else:
                 _check_sites(rank, case, rec)
             forward_notes = rec["report"]["graph0_forward"]["notes"]
-            if name == "attn_flash":  # why the causal attention runs whole
-                assert any("is_causal=True" in n for n in forward_notes), forward_notes
-            if name.startswith("attn_split") and name != "attn_split_off":
+            if name.startswith("attn") and not name.endswith("_off"):
                 assert any("split by query" in n for n in forward_notes), forward_notes
-            if name in ("funcol_flash", "dtensor_flash", "llama_flash", "llama_lean_compile",
-                        "gated_flash", "c10d_flash", "ckpt_flash"):
+            # Bitwise: gathers, and 2-rank reduce-scatters of matmuls (two partials, one
+            # order). A causal attention split by query is not: the slices after the first
+            # run with an additive mask instead of the kernel's causal one (measured 4.5e-7).
+            if name in ("funcol_flash", "dtensor_flash", "llama_off", "gated_flash",
+                        "c10d_flash", "ckpt_flash"):
                 assert rec["diff"] == [0.0] * len(rec["diff"]), (rank, name, rec["diff"])
 
 

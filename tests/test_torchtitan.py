@@ -72,7 +72,7 @@ import torch.distributed as dist  # noqa: E402
 from ranks import spawn  # noqa: E402
 
 DIM, LAYERS, HEADS, VOCAB, SEQ, BATCH = 64, 2, 4, 256, 16, 2
-AG, RS = "all_gather+mm", "mm+reduce_scatter"
+AG, RS, SPLIT = "all_gather+mm", "mm+reduce_scatter", "attention+matmul+reduce_scatter"
 TOL = 1e-5
 
 CASES = [(backend, compiler) for compiler in ("aot_eager", "inductor")
@@ -272,6 +272,8 @@ def test_llama3_tp_sp_sites_and_values(ranks, case):
             # reduce-scatter); backward: the output-gradient gathers of wo and w2 and the
             # input-gradient reduce-scatters of QKV and of w1 + w3 (a sum of two matmuls).
             # With spmd_types the partitioner saves wo's scattered result in its moved layout
-            # for the backward: that reader gets the rewrite's result moved back.
-            want = {"rewritten": [AG, AG, RS, RS], "skipped": [], "collectives_left": {}}
+            # for the backward: that reader gets the rewrite's result moved back. The forward's
+            # causal attention is split by query inside wo's reduce-scatter schedule.
+            rewritten = [AG, AG, SPLIT, RS] if graph["phase"] == "forward" else [AG, AG, RS, RS]
+            want = {"rewritten": rewritten, "skipped": [], "collectives_left": {}}
             assert {k: graph[k] for k in want} == want, (rank, graph)

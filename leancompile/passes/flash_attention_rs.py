@@ -16,18 +16,23 @@ grows by the attention's share, and the first partial is sent after 1/N of the a
              o, lse = cat(the slices' outputs)               # what the backward saves
 
 Legal because every query row attends to all keys and values on its own: a slice of queries
-gives those rows of the output (and of the log-sum-exp). Numerically, the CPU kernel blocks its
-work by the number of queries it is given, so a slice's rows can differ from the whole
-attention's in the last bits: measured here bitwise when a slice holds whole sequences, and up to
-3.9e-6 of a gradient's scale on 4 ranks with half-sequence slices (float tolerance, as for the
-projection's matmul on fewer rows). The attention's FLOPs are unchanged: keys and values are read
-whole by every slice. Refused, with the reason (in the pass's notes; the reduce-scatter is then
-rewritten next to the projection alone):
-dropout (other masks per slice), ``is_causal`` (a slice's mask depends on its offset), an
-attention mask, attention kernels other than the CPU flash kernel (the one this project can
-test), and layouts between the attention and the matmul that do not keep query rows whole along
-the scattered dim. With ``CompileOptions(attention_split=False)`` the site is Flash-RS on the
-projection alone (the comparison ``leancompile bench overlap --case attention`` prints).
+gives those rows of the output (and of the log-sum-exp); without a causal mask the attention's
+FLOPs are unchanged (every slice reads the keys and values whole). With ``is_causal`` (queries
+and keys of one length) a slice reads the keys up to its last query: the first slice runs the
+kernel's own causal mask, the others their rows of it as an additive mask (0 or -inf).
+
+Numerically, the CPU kernel blocks its work by the number of queries (and keys) it is given, so
+a slice's rows can differ from the whole attention's in the last bits: measured here bitwise
+when a slice holds whole sequences, and up to 3.9e-6 of a gradient's scale on 4 ranks with
+half-sequence slices (float tolerance, as for the projection's matmul on fewer rows).
+
+Refused, with the reason in the pass's notes (the reduce-scatter is then rewritten next to the
+projection alone): dropout (other masks per slice), an attention mask, ``is_causal`` with
+unequal query and key lengths, attention kernels other than the CPU flash kernel (the one this
+project can test), and layouts between the attention and the matmul that do not keep query rows
+whole along the scattered dim. With ``CompileOptions(attention_split=False)`` the site is
+Flash-RS on the projection alone (the comparison ``leancompile bench overlap --case attention``
+prints).
 """
 
 from __future__ import annotations
@@ -61,6 +66,10 @@ class AttentionRowsMatch:
     nodes: tuple[fx.Node, ...]
     merged: bool = False
     """The scattered dim holds (batch, query) pairs, batch-major (``[B*S, ...]`` rows)."""
+    causal: bool = False
+    """``is_causal=True`` (queries and keys of one length): a slice attends to the keys up to
+    its last query, the first slice with the kernel's own causal mask, the others with the
+    slice's part of it as an additive mask."""
 
 
 def match_attention_rows(h: fx.Node, shape: tuple, dim: int, slices: int
@@ -99,11 +108,12 @@ def _match(attention: fx.Node, nodes: list, shape: tuple, dim: int, slices: int
     args = list(attention.args) + [None] * 4
     if args[3]:
         raise _Skip(f"attention with dropout_p={args[3]}: query slices would draw other masks")
-    if args[4]:
-        raise _Skip("is_causal=True: a query slice's causal mask depends on its offset; the "
-                    "attention runs whole (Flash-RS on the projection alone)")
+    causal = bool(args[4] or attention.kwargs.get("is_causal"))
     if attention.kwargs.get("attn_mask") is not None:
         raise _Skip("an attention mask: slicing it by query rows is not implemented")
+    if causal and _shape(attention.args[0])[2:3] != _shape(attention.args[1])[2:3]:
+        raise _Skip("is_causal=True with fewer or more keys than queries: the slices' masks "
+                    "are not followed")
     if any(isinstance(a, fx.Node) for a in (*attention.args[3:], *attention.kwargs.values())):
         raise _Skip("an attention argument other than query, key and value is computed in the "
                     "graph")
@@ -143,7 +153,8 @@ def _match(attention: fx.Node, nodes: list, shape: tuple, dim: int, slices: int
                     f"scattered dim of {tuple(shape)}: the slices would mix queries")
     elif seq % slices:
         raise _Skip(f"{seq} queries do not split into {slices} slices", local="shape")
-    return AttentionRowsMatch(attention, tuple(chain), tuple(dims), tuple(nodes), merged)
+    return AttentionRowsMatch(attention, tuple(chain), tuple(dims), tuple(nodes), merged,
+                              causal)
 
 
 def _follow(node: fx.Node, dim: int) -> int:
@@ -244,7 +255,7 @@ def rewrite_attention_reduce_scatter(gm: fx.GraphModule, match, rows: AttentionR
 
     def schedule(q_, k_, v_, w_, *b_):
         h = AttentionRows(attention.target, q_, k_, v_, rest, kwargs, chain, shape, dim,
-                          merged=rows.merged)
+                          merged=rows.merged, causal=rows.causal)
         out = run(h, w_, b_[0] if b_ else None)
         return (out, *h.assembled(likes))
 

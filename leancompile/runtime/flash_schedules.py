@@ -553,8 +553,9 @@ class AttentionRows:
     attention: the first partials are sent while the other slices' attention still runs)."""
 
     def __init__(self, attention, q: Tensor, k: Tensor, v: Tensor, args: tuple, kwargs: dict,
-                 chain, shape, dim: int, *, merged: bool = False):
+                 chain, shape, dim: int, *, merged: bool = False, causal: bool = False):
         self._attention, self._q, self._k, self._v = attention, q, k, v
+        self._causal = causal
         self._args, self._kwargs, self._chain = args, kwargs, chain
         self.shape = tuple(shape)
         self._dim, self._merged = dim, merged
@@ -588,11 +589,30 @@ class AttentionRows:
         q, k, v = self._q, self._k, self._v
         if nb != self._batch:
             q, k, v = q.narrow(0, b0, nb), k.narrow(0, b0, nb), v.narrow(0, b0, nb)
-        outs = self._attention(q.narrow(2, q0, ql), k, v, *self._args, **self._kwargs)
+        outs = self._slice_attention(q.narrow(2, q0, ql), k, v, q0, ql)
         self._computed.setdefault((b0, q0), outs)
         shape = list(self.shape)
         shape[d] = length
         return self._chain(outs[0], ql).reshape(shape)
+
+    def _slice_attention(self, q: Tensor, k: Tensor, v: Tensor, q0: int, ql: int):
+        """The attention of queries ``q0 .. q0 + ql``. Causal: they see the keys up to the
+        last of them, the first slice through the kernel's own causal mask (a square one),
+        the others through their rows of it as an additive mask."""
+        if not self._causal:
+            return self._attention(q, k, v, *self._args, **self._kwargs)
+        keys = q0 + ql
+        k, v = k.narrow(2, 0, keys), v.narrow(2, 0, keys)
+        if q0 == 0:
+            return self._attention(q, k, v, *self._args, **self._kwargs)
+        seen = torch.ones(ql, keys, dtype=torch.bool, device=q.device).tril(q0)
+        mask = torch.zeros(ql, keys, dtype=q.dtype, device=q.device).masked_fill(
+            seen.logical_not(), float("-inf"))
+        args, kwargs = list(self._args), dict(self._kwargs, attn_mask=mask)
+        if len(args) > 1:
+            args[1] = False  # is_causal
+        kwargs.pop("is_causal", None)
+        return self._attention(q, k, v, *args, **kwargs)
 
     def assembled(self, likes) -> list[Tensor]:
         """For each attention output (``likes``: its full-size value, for the memory layout;
