@@ -19,6 +19,7 @@ OVERLAP_CANDIDATES = {
     "flash": {"overlap": "flash"},
     "flash direct": {"overlap": "flash", "variant": "direct"},
     "flash 2 chunks per rank": {"overlap": "flash", "chunks_per_rank": 2},
+    "flash projection alone": {"overlap": "flash", "attention_split": False},
     "slice 2": {"overlap": "slice", "chunks": 2},
     "slice 4": {"overlap": "slice", "chunks": 4},
 }
@@ -46,7 +47,8 @@ class CompileOptions:
     """Communication/compute overlap: ``"flash"`` (FlashOverlap: decomposed P2P schedules),
     ``"slice"`` (the data-slicing baseline, ``chunks`` async collectives), ``"auto"`` (what the
     simulator predicts fastest on ``device``, for each graph: one of ``OVERLAP_CANDIDATES``
-    (none, flash ring or direct, flash with 2 chunks per rank, slice in 2 or 4) for the whole
+    (none, flash ring or direct, flash with 2 chunks per rank, flash with the attention before
+    a reduce-scatter left whole, slice in 2 or 4) for the whole
     graph, or one per site (``overlap_sites``) when that is predicted faster) or None (off)."""
 
     device: str | None = None
@@ -190,7 +192,7 @@ class CompileOptions:
         return dataclasses.replace(
             self, overlap=extra.get("overlap"), variant=extra.get("variant"),
             chunks_per_rank=extra.get("chunks_per_rank"), chunks=extra.get("chunks"),
-            overlap_sites=(), strict=False)
+            attention_split=extra.get("attention_split", True), overlap_sites=(), strict=False)
 
     def cache_key(self) -> dict:
         """Everything that changes what the passes produce, as plain JSON-able data."""

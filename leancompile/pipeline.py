@@ -148,12 +148,13 @@ AUTO_CANDIDATES = OVERLAP_CANDIDATES
 
 SITE_CANDIDATES = {
     "all_gather": ("flash", "flash 2 chunks per rank", "slice 2", "slice 4"),
-    "reduce_scatter": ("flash", "flash direct", "flash 2 chunks per rank", "slice 2",
-                       "slice 4"),
+    "reduce_scatter": ("flash", "flash direct", "flash 2 chunks per rank",
+                       "flash projection alone", "slice 2", "slice 4"),
     "all_to_all": ("flash",),
 }
-"""What ``overlap="auto"`` tries at one site of each kind besides ``"none"`` (the variant is a
-reduce-scatter's choice; all-to-alls have the query-split schedule only)."""
+"""What ``overlap="auto"`` tries at one site of each kind besides ``"none"`` (the variant and
+whether an attention before it is split are a reduce-scatter's choices; all-to-alls have the
+query-split schedule only)."""
 
 
 def overlap_sites(gm: fx.GraphModule) -> dict[str, tuple[str, tuple]]:

@@ -11,7 +11,7 @@ import torch.distributed._functional_collectives as funcol
 
 from leancompile.cli import main as cli
 from leancompile.sim import DeviceProfile, device_names, device_profile, node_cost, simulate
-from leancompile.sim.fullscale import fake_group, trace_graphs
+from leancompile.sim.fullscale import fake_group, rewrite, tp_attention, trace_graphs
 from leancompile.sim.schemes import simulate_schemes
 from ranks import spawn
 
@@ -139,7 +139,6 @@ def _mlp_block(group):
 
 def test_strict_passes_a_fully_rewritten_graph_and_names_every_collective_left():
     import leancompile
-    from leancompile.sim.fullscale import rewrite
 
     def leftovers(x, w):
         g = funcol.all_gather_tensor(x, 0, "0")          # read by a relu, no matmul
@@ -312,7 +311,7 @@ def test_llama_tp_and_fsdp_blocks_at_size_rewritten_and_simulated(case, world, s
 
 def test_overlap_auto_picks_what_the_simulator_predicts_fastest(tmp_path):
     import leancompile
-    from leancompile.sim.fullscale import rewrite, tp_mlp
+    from leancompile.sim.fullscale import tp_mlp
 
     slow = dataclasses.replace(device_profile("h100"), name="slow", link_bandwidth=1e8,
                                collective_bandwidth=1e8, link_latency=1e-3)
@@ -324,7 +323,8 @@ def test_overlap_auto_picks_what_the_simulator_predicts_fastest(tmp_path):
                            device=str(tmp_path / "slow.json"))
     auto = fast.auto
     assert auto["device"] == "h200" and set(auto["predicted_s"]) == {
-        "none", "flash", "flash direct", "flash 2 chunks per rank", "slice 2", "slice 4"}
+        "none", "flash", "flash direct", "flash 2 chunks per rank", "flash projection alone",
+        "slice 2", "slice 4"}
     best = min(auto["predicted_s"].values())
     assert auto["predicted_s"][auto["chosen"]] <= best * 1.01
     # On NVLink a hop hides behind a slice's matmul: a flash schedule, about 20% faster.
@@ -350,6 +350,14 @@ def test_query_split_attention_hides_more_than_flash_rs_on_the_projection_alone(
     assert split["rewritten"] == alone["rewritten"] == 2
     assert split["exposed_comm_s"] < 0.5 * alone["exposed_comm_s"], (split, alone)
     assert split["total_s"] < 0.9 * alone["total_s"] < schemes["sequential"]["total_s"]
+    # A small layer on NVLink: the split's extra kernel calls cost more than what is left to
+    # hide, and overlap="auto" keeps the attention whole.
+    with fake_group(4):
+        graphs = tp_attention(4, (1, 4096, 3072))
+        _, record = rewrite(graphs["forward"], "forward", overlap="auto", device="h200")
+    predicted = record.auto["predicted_s"]
+    assert predicted["flash projection alone"] < predicted["flash"] < predicted["none"]
+    assert record.auto["chosen"] == "flash projection alone", record.auto
 
 
 def test_overlap_auto_chooses_per_site_when_that_is_predicted_faster():
@@ -358,7 +366,7 @@ def test_overlap_auto_chooses_per_site_when_that_is_predicted_faster():
     while decomposing the reduce-scatter costs more kernels than the little compute it could
     hide. No single setting is best for both; the per-site plan is."""
     import leancompile
-    from leancompile.sim.fullscale import rewrite, tp_mlp
+    from leancompile.sim.fullscale import tp_mlp
 
     with fake_group(4):
         graphs = tp_mlp(4, (4, 512, 8192), hidden=1024)
