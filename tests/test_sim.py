@@ -360,6 +360,33 @@ def test_query_split_attention_hides_more_than_flash_rs_on_the_projection_alone(
     assert record.auto["chosen"] == "flash projection alone", record.auto
 
 
+def test_attention_split_leaves_a_reduce_scatter_of_the_product_columns_to_flash_rs():
+    """Regression (second review): the attention's query rows as the projection's contraction
+    dim, the product scattered on its columns. The slices are columns of the weight, not rows of
+    the attention output: the site is Flash-RS on the projection alone (it raised before)."""
+    import torch.nn.functional as F
+
+    from leancompile.sim.fullscale import rewrite
+
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    b, s, heads, hd = 2, 16, 4, 4
+    with fake_group(4) as group:
+        def layer(x, wqkv, wo):
+            h = funcol.all_gather_tensor(x, 0, group)
+            q, k, v = F.linear(h, wqkv).view(b, s, 3, 1, hd).unbind(2)
+            o = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))[0]
+            att = o.permute(0, 1, 3, 2).reshape(b * hd, s)     # queries in the K dim
+            return funcol.reduce_scatter_tensor(F.linear(att, wo), "sum", 1, group)
+
+        graphs = trace_graphs(layer, torch.empty(b * s // 4, heads * hd, device="meta"),
+                              torch.empty(3 * hd, heads * hd, device="meta"),
+                              torch.empty(heads * hd, s, device="meta"), backward=False)
+        _, record = rewrite(graphs["forward"], "forward", overlap="flash")
+    (result,) = [p for p in record.passes if p.name == "flash_overlap"]
+    assert sorted(site.kind for site in result.rewritten) == ["all_gather+mm",
+                                                              "mm+reduce_scatter"]
+
+
 def test_overlap_auto_chooses_per_site_when_that_is_predicted_faster():
     """A wide all-gather feeding a large matmul and a narrow reduce-scatter after a small one
     (the MLP's hidden size below its model size): on H200 the gather hides behind its matmul,

@@ -87,6 +87,14 @@ def match_attention_rows(h: fx.Node, shape: tuple, dim: int, slices: int
             node.args[1] == 0 and isinstance(node.args[0], fx.Node)):
         return None
     attention = node.args[0]
+    wrapped = attention.target is operator.getitem and attention.args[1] == 1 and \
+        isinstance(attention.args[0], fx.Node) and \
+        attention.args[0].target is torch.ops.higher_order.run_and_save_rng_state
+    if wrapped and attention.args[0].args[0] is ATTENTION:
+        skip = _Skip("the attention runs inside activation checkpointing's generator-state "
+                     "wrapper (run_and_save_rng_state, kept for the backward's recompute)")
+        skip.node = attention.args[0]
+        raise skip
     name = str(attention.target)
     if attention.target is not ATTENTION and ("scaled_dot_product" not in name or
                                               "backward" in name):
@@ -105,18 +113,18 @@ def _match(attention: fx.Node, nodes: list, shape: tuple, dim: int, slices: int
         raise _Skip(f"the matmul reads {attention.target}, which is not split by query: the "
                     "rewrite handles _scaled_dot_product_flash_attention_for_cpu (the attention "
                     "kernel this project can test)")
+    if attention.kwargs.get("attn_mask") is not None:
+        raise _Skip("an attention mask: slicing it by query rows is not implemented")
+    if any(isinstance(a, fx.Node) for a in (*attention.args[3:], *attention.kwargs.values())):
+        raise _Skip("an attention argument other than query, key and value is computed in the "
+                    "graph")
     args = list(attention.args) + [None] * 4
     if args[3]:
         raise _Skip(f"attention with dropout_p={args[3]}: query slices would draw other masks")
     causal = bool(args[4] or attention.kwargs.get("is_causal"))
-    if attention.kwargs.get("attn_mask") is not None:
-        raise _Skip("an attention mask: slicing it by query rows is not implemented")
     if causal and _shape(attention.args[0])[2:3] != _shape(attention.args[1])[2:3]:
         raise _Skip("is_causal=True with fewer or more keys than queries: the slices' masks "
                     "are not followed")
-    if any(isinstance(a, fx.Node) for a in (*attention.args[3:], *attention.kwargs.values())):
-        raise _Skip("an attention argument other than query, key and value is computed in the "
-                    "graph")
     query = _shape(attention.args[0])
     if len(query) != 4 or not all(isinstance(x, int) for x in (*query, *shape)):
         raise _Skip(f"query of shape {query}, rows of shape {shape}: query split needs a static "
@@ -127,7 +135,11 @@ def _match(attention: fx.Node, nodes: list, shape: tuple, dim: int, slices: int
     chain = nodes[:keep]
     dims, at, batch = [], 2, 0  # where the query rows and the batch are
     for node in chain:
-        at, batch = _follow(node, at), _follow(node, batch)
+        at = _follow(node, at)
+        try:  # the batch matters only when it merges with the queries (flat rows)
+            batch = None if batch is None else _follow(node, batch)
+        except _Skip:
+            batch = None
         dims.append(at)
     src = _shape(chain[-1]) if chain else query
     groups = _reshape_groups(tuple(src), tuple(shape))
@@ -138,7 +150,8 @@ def _match(attention: fx.Node, nodes: list, shape: tuple, dim: int, slices: int
     if [d for d in dst_dims if shape[d] != 1] != [dim]:
         raise _Skip(f"the query rows (dim {at} of {tuple(src)}) are not in the scattered dim "
                     f"{dim} of the matmul's rows {tuple(shape)}: the slices would mix queries")
-    seq, merged = query[2], [d for d in src_dims if src[d] != 1] == [batch, at]
+    seq = query[2]
+    merged = batch is not None and [d for d in src_dims if src[d] != 1] == [batch, at]
     if merged:  # rows = (batch, query) pairs, batch-major: a slice is whole batches or a part
         if any(n.target in _RESHAPES for n in chain):  # of one batch's queries
             raise _Skip("the batch and the query rows merge into the scattered dim after a "

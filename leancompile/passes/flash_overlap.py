@@ -628,7 +628,7 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
 
     run = _rs_schedule(overlap, group_name=group, scatter_dim=dim, chunks=chunks,
                        variant=variant, chunks_per_rank=m, out_dtype=out_dtype)
-    if split_attention and not transposed:
+    if split_attention and not transposed and dim != len(in_shape) - 1:  # rows, not columns
         from .flash_attention_rs import match_attention_rows, rewrite_attention_reduce_scatter
 
         slices = match.group_size * (m if overlap == "flash" else chunks)
