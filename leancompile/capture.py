@@ -69,7 +69,7 @@ def _draws_random(node: fx.Node) -> bool:
     (``run_and_save_rng_state(aten.rand, ...)``): it draws as the op it wraps."""
     if isinstance(node.target, torch._ops.HigherOrderOperator) and \
             "rng_state" in node.target.name():
-        op = next((a for a in node.args if isinstance(a, torch._ops.OpOverload)), None)
+        op = _wrapped_op(node)
         return op is None or torch.Tag.nondeterministic_seeded in op.tags
     if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
         return False
@@ -92,10 +92,15 @@ def _draws_random(node: fx.Node) -> bool:
     return True
 
 
+def _wrapped_op(node: fx.Node):
+    """The op a higher-order wrapper node calls (``run_and_save_rng_state(aten.rand, ...)``)."""
+    return next((a for a in node.args if isinstance(a, torch._ops.OpOverload)), None)
+
+
 def _describe(node: fx.Node) -> str:
     target, meta = node.target, node.meta
     if isinstance(target, torch._ops.HigherOrderOperator):  # a random op checkpointing redraws
-        target = next((a for a in node.args if isinstance(a, torch._ops.OpOverload)), target)
+        target = _wrapped_op(node) or target
         # The partitioner moved the op's metadata to the getitem that returns its value.
         meta = next((u.meta for u in node.users if u.args[1:] == (1,)), meta)
     text = f"{node.name} ({target})"

@@ -301,7 +301,9 @@ def _track(chain, dim: int, world: int, what: str) -> list[int]:
 
 
 def _replay(chain, dims, world: int, x: torch.Tensor) -> torch.Tensor:
-    """``chain`` run on one rank's piece: reshapes get the piece's size in the rank dim."""
+    """``chain`` run on one of ``world`` equal pieces: reshapes get the piece's size in the
+    tracked dim (``dims``, after each node). Also replays the attention-to-matmul layouts of
+    ``flash_attention_rs``."""
     for node, dim in zip(chain, dims):
         if node.target in _RESHAPES:
             shape = list(_shape(node))
@@ -309,6 +311,8 @@ def _replay(chain, dims, world: int, x: torch.Tensor) -> torch.Tensor:
             x = x.reshape(shape)
         elif node.target is aten.permute.default:
             x = x.permute(list(node.args[1]))
+        elif node.target is aten.transpose.int:
+            x = x.transpose(*node.args[1:3])
         elif node.target is aten.clone.default:
             x = x.clone(**node.kwargs)
         else:  # alias

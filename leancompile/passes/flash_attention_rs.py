@@ -43,12 +43,11 @@ import operator
 import torch
 import torch.fx as fx
 
+from .flash_all_to_all import _LAYOUT, _RESHAPES, _replay
 from .flash_overlap_match import _Skip, _reshape_groups, _shape
 
 aten = torch.ops.aten
-_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-_LAYOUT_TARGETS = _RESHAPES + (aten.permute.default, aten.transpose.int, aten.clone.default,
-                               aten.alias.default)
+_LAYOUT_TARGETS = _LAYOUT + (aten.transpose.int,)  # (graphs traced without decompositions)
 ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
 
 __all__ = ["AttentionRowsMatch", "match_attention_rows", "ATTENTION"]
@@ -195,27 +194,6 @@ def _follow(node: fx.Node, dim: int) -> int:
     raise _Skip(f"{node.name} ({node.target}) between the attention and the matmul")
 
 
-def replay(chain, dims, seq: int):
-    """``chain`` as a function of one slice of ``ql`` queries: reshapes get the slice's size
-    in the query dim."""
-    def run(x, ql):
-        for node, dim in zip(chain, dims):
-            if node.target in _RESHAPES:
-                shape = list(_shape(node))
-                shape[dim] = shape[dim] * ql // seq
-                x = x.reshape(shape)
-            elif node.target is aten.permute.default:
-                x = x.permute(list(node.args[1]))
-            elif node.target is aten.transpose.int:
-                x = x.transpose(*node.args[1:3])
-            elif node.target is aten.clone.default:
-                x = x.clone(**node.kwargs)
-            else:  # alias
-                x = aten.alias.default(x)
-        return x
-    return run
-
-
 def rewrite_attention_reduce_scatter(gm: fx.GraphModule, match, rows: AttentionRowsMatch,
                                      w: fx.Node, bias: fx.Node | None, shape: tuple, dim: int,
                                      run, result) -> None:
@@ -226,8 +204,8 @@ def rewrite_attention_reduce_scatter(gm: fx.GraphModule, match, rows: AttentionR
     attention's outputs before the collective cannot move after the schedule."""
     from ..runtime.flash_schedules import AttentionRows
     from .flash_overlap import (SITE_META, _detach_metadata_readers, _erase_if_dead,
-                                _feed_moved_readers, _inline, _trace, _Unsupported, _val)
-    from .flash_overlap_match import _same_shape
+                                _feed_moved_readers, _inline, _not_scattered, _trace,
+                                _Unsupported, _users_before, _val)
 
     graph = gm.graph
     site, attention = match.reduce_scatter, rows.attention
@@ -235,22 +213,14 @@ def rewrite_attention_reduce_scatter(gm: fx.GraphModule, match, rows: AttentionR
     product = {match.matmul, *match.via, match.reduced, *match.reassembly, site, match.wait}
     if match.scattered is not None:
         product.add(match.scattered)
-    expected = list(_val(match.reduced).shape)
-    expected[match.scatter_dim] //= match.group_size
-    if not _same_shape(tuple(_val(match.scattered or match.wait).shape), tuple(expected)):
-        raise _Unsupported("the reduce-scatter result is not the reduced tensor scattered")
+    why = _not_scattered(match)
+    if why:
+        raise _Unsupported(why)
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = match.wait
-    late, stack = set(), [u for g in getitems.values() for u in g.users]
-    while stack:  # readers of the attention's outputs before the collective: moved after it
-        node = stack.pop()
-        if node in late or node in product or order[node] > order[anchor]:
-            continue
-        if node.op != "call_function" or node.is_impure():
-            raise _Unsupported(f"{node.name} reads the attention output before the "
-                               "reduce-scatter and cannot be moved after the schedule")
-        late.add(node)
-        stack.extend(node.users)
+    # Readers of the attention's outputs before the collective move after the schedule.
+    late = _users_before([u for g in getitems.values() for u in g.users], anchor, order,
+                         stop=product, what="the attention output")
     for node in (w, bias):  # what the schedule reads besides the attention, not moved
         if node is not None and node in late:
             raise _Unsupported(f"{node.name} feeds the matmul and reads the attention output")
@@ -263,7 +233,10 @@ def rewrite_attention_reduce_scatter(gm: fx.GraphModule, match, rows: AttentionR
              for i in range(len(_val(attention)))]
     q, k, v = attention.args[:3]
     rest, kwargs = tuple(attention.args[3:]), dict(attention.kwargs)
-    chain = replay(rows.chain, rows.dims, _shape(q)[2])
+    seq = _shape(q)[2]
+
+    def chain(x, ql):  # the layout ops on a slice of ql queries
+        return _replay(rows.chain, rows.dims, seq // ql, x)
     inputs = [q, k, v, w] + ([bias] if bias is not None else [])
 
     def schedule(q_, k_, v_, w_, *b_):
@@ -274,7 +247,7 @@ def rewrite_attention_reduce_scatter(gm: fx.GraphModule, match, rows: AttentionR
 
     sub = _trace(schedule, inputs)
     out, *full = _inline(graph, sub, inputs, anchor, site.name)
-    for node in sorted(late, key=order.__getitem__):  # after the schedule, in their order
+    for node in late:  # after the schedule, in their order
         anchor.prepend(node)
     it = iter(full)
     for i, like in enumerate(likes):

@@ -62,6 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .flash_all_to_all import (A2A_SITE, ALL_TO_ALL, ATTENTION_SITE, find_all_to_all_matches,
                                rewrite_attention)
+from .flash_attention_rs import match_attention_rows, rewrite_attention_reduce_scatter
 from .flash_overlap_match import (_SAME_LAYOUT, AG_SITE, RS_SITE, AllGatherMatch,
                                   ReduceScatterMatch, _same_shape, _Skip,
                                   find_all_gather_matches,
@@ -564,19 +565,21 @@ def _flat(out) -> tuple:
     return (*ys, gathered) if gathered is not None else tuple(ys)
 
 
-def _users_before(nodes, anchor: fx.Node, order: dict) -> list[fx.Node]:
-    """``nodes`` before ``anchor`` and, transitively, their users before it, in graph order;
-    they must be pure to be moved after the schedule."""
-    found, stack = set(), [n for n in nodes if order[n] < order[anchor]]
+def _users_before(nodes, anchor: fx.Node, order: dict, *, stop=frozenset(),
+                  what: str = "the gathered tensor") -> list[fx.Node]:
+    """``nodes`` before ``anchor`` and, transitively, their users before it, in graph order,
+    not following ``stop`` (nodes the rewrite replaces); they must be pure to be moved after
+    the schedule."""
+    found, stack = set(), [n for n in nodes if order[n] < order[anchor] and n not in stop]
     while stack:
         node = stack.pop()
         if node in found:
             continue
         if node.op != "call_function" or node.is_impure():
-            raise _Unsupported(f"{node.name} reads the gathered tensor before {anchor.name} "
+            raise _Unsupported(f"{node.name} reads {what} before {anchor.name} "
                                "and cannot be moved after the schedule")
         found.add(node)
-        stack.extend(u for u in node.users if order[u] < order[anchor])
+        stack.extend(u for u in node.users if order[u] < order[anchor] and u not in stop)
     return sorted(found, key=order.__getitem__)
 
 
@@ -629,8 +632,6 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
     run = _rs_schedule(overlap, group_name=group, scatter_dim=dim, chunks=chunks,
                        variant=variant, chunks_per_rank=m, out_dtype=out_dtype)
     if split_attention and not transposed and dim != len(in_shape) - 1:  # rows, not columns
-        from .flash_attention_rs import match_attention_rows, rewrite_attention_reduce_scatter
-
         slices = match.group_size * (m if overlap == "flash" else chunks)
         try:
             rows = match_attention_rows(a, tuple(in_shape), dim, slices)
@@ -669,13 +670,10 @@ def _place_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, schedul
     when the collective's result is not the reduced tensor scattered on its dim."""
     graph = gm.graph
     site = match.reduce_scatter
-    expected = list(_val(match.reduced).shape)
-    expected[match.scatter_dim] //= match.group_size
     scattered = match.scattered or match.wait
-    # Compared without guards: `!=` on SymInt tuples would specialize the sizes it reads.
-    if not _same_shape(tuple(_val(scattered).shape), tuple(expected)):
-        result.skip(site, RS_SITE, f"the reduce-scatter result has shape "
-                    f"{tuple(_val(scattered).shape)}, not the scattered {tuple(expected)}")
+    why = _not_scattered(match)
+    if why:
+        result.skip(site, RS_SITE, why)
         return False
     sub = _trace(schedule, inputs)
     (out,) = _inline(graph, sub, inputs, match.wait, site.name)
@@ -687,6 +685,18 @@ def _place_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, schedul
     _erase_if_dead(graph, replaced)
     result.rewrite(site, RS_SITE)
     return True
+
+
+def _not_scattered(match: ReduceScatterMatch) -> str | None:
+    """Why the collective's result is not the reduced tensor scattered on its dim (None when
+    it is)."""
+    expected = list(_val(match.reduced).shape)
+    expected[match.scatter_dim] //= match.group_size
+    got = tuple(_val(match.scattered or match.wait).shape)
+    # Compared without guards: `!=` on SymInt tuples would specialize the sizes it reads.
+    if _same_shape(got, tuple(expected)):
+        return None
+    return f"the reduce-scatter result has shape {got}, not the scattered {tuple(expected)}"
 
 
 def _feed_moved_readers(graph: fx.Graph, match: ReduceScatterMatch, scattered: fx.Node,
