@@ -83,6 +83,69 @@ def test_slow_links_expose_what_compute_cannot_hide_and_async_tp_needs_symmetric
     assert 0 < schemes["flash"]["exposed_comm_s"] < schemes["sequential"]["exposed_comm_s"]
 
 
+def _gather_beside_a_matmul(overlap: float, beside: bool):
+    """all-gather(x) ; y @ v ; wait ; relu(g @ w) on TOY with ``comm_compute_overlap``:
+    ``beside`` moves the wait after the independent matmul (compute issued while the transfer
+    is in flight), else the wait follows the gather as traced."""
+    def f(x, w, y, v):
+        g = funcol.all_gather_tensor(x, 0, "0")
+        return torch.relu(g @ w), y @ v
+
+    profile = dataclasses.replace(TOY, comm_compute_overlap=overlap)
+    with fake_group(4):
+        gm = trace_graphs(f, torch.empty(256, 512, device="meta"),
+                          torch.empty(512, 1024, device="meta"),
+                          torch.empty(1024, 1024, device="meta"),
+                          torch.empty(1024, 1024, device="meta"), backward=False)["forward"]
+        nodes = {n.name: n for n in gm.graph.nodes}
+        wait, independent = nodes["wait_tensor"], nodes["mm_1"]
+        assert independent.args[0].op == "placeholder"  # y @ v
+        if beside:
+            independent.append(wait)
+        else:
+            wait.append(independent)
+        costs = {n.name: node_cost(n, profile)[1] for n in gm.graph.nodes
+                 if n.op == "call_function"}
+        return simulate(gm, profile), costs
+
+
+def test_interference_of_a_transfer_and_the_compute_beside_it():
+    """``comm_compute_overlap < 0`` (cores oversubscribed): a transfer with compute issued
+    beside it costs ``-overlap x min(transfer, that compute)`` more; one waited at once costs
+    what it did at overlap 0."""
+    compute = None
+    for beside in (False, True):
+        base, costs = _gather_beside_a_matmul(0.0, beside)
+        slow, _ = _gather_beside_a_matmul(-0.5, beside)
+        gather = costs["all_gather_into_tensor"]
+        compute = costs["mm"] + costs["mm_1"] + costs["relu"]
+        # overlap 0: the transfer holds the compute stream for all of its time
+        assert base.total_s == pytest.approx(gather + compute)
+        extra = 0.5 * min(gather, costs["mm_1"]) if beside else 0.0
+        assert slow.total_s == pytest.approx(base.total_s + extra)
+        assert any("(interference)" in s.op for s in slow.spans) == beside
+    with pytest.raises(ValueError, match=r"comm_compute_overlap=-1.5 must be in \[-1, 1\]"):
+        dataclasses.replace(TOY, comm_compute_overlap=-1.5)
+
+
+def test_workload_lists_the_graphs_matmuls_activation_and_message():
+    from leancompile.sim.calibrate import workload
+
+    def f(x, w):
+        g = funcol.all_gather_tensor(x, 0, "0")
+        return torch.nn.functional.gelu(g @ w)
+
+    with fake_group(4):
+        gm = trace_graphs(f, torch.empty(256, 512, device="meta", requires_grad=True),
+                          torch.empty(512, 1024, device="meta", requires_grad=True))
+    load = workload([gm["forward"], gm["backward"]])
+    # forward (1024 x 512) @ (512 x 1024); backward: the weight's and the input's gradients
+    assert (1024, 512, 1024) in load["matmuls"]
+    assert {(512, 1024, 1024), (1024, 1024, 512)} <= set(load["matmuls"])
+    assert load["activation"] == 1024 * 1024  # gelu's output
+    assert load["message"] == 256 * 512  # one shard of the gather
+
+
 def test_profiles_load_and_cite_their_numbers(tmp_path):
     names = device_names()
     assert {"h200", "h100", "a100", "a6000", "ib-ndr", "ascend-910b"} <= set(names)

@@ -1,10 +1,11 @@
 """``leancompile bench overlap --validate``: the simulator against measurements on this machine.
 
-For 2 and 4 gloo ranks: calibrate ``cpu-gloo`` inside the ranks (``calibrate.py``), then for
-each scheme (sequential, slice, flash, direct) of the TP+SP MLP layer of ``bench overlap``
-(forward + backward, ``aot_eager``): time the compiled layer (minimum over rounds of the
-slowest rank) and simulate the same post-pass graphs on the calibrated profile. Prints both and
-the relative error per scheme.
+For 2 and 4 gloo ranks: compile each scheme (sequential, slice, flash, direct) of the TP+SP MLP
+layer of ``bench overlap`` (forward + backward, ``aot_eager``), calibrate ``cpu-gloo`` inside
+the ranks at the schemes' own matmul shapes, activation size and message size (``calibrate.py``), time the
+compiled layers in interleaved rounds (minimum over rounds of the slowest rank) and simulate
+the same post-pass graphs on the calibrated profile. Prints both and the relative error per
+scheme.
 """
 
 from __future__ import annotations
@@ -32,36 +33,45 @@ def _worker(rank, world, init, out, cfg):
     import leancompile
     from .overlap import _layer, _layer_step
 
-    from ..sim.calibrate import calibrate_cpu_gloo
+    from ..sim.calibrate import calibrate_cpu_gloo, workload
     from ..sim.simulate import simulate
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    profile = calibrate_cpu_gloo()
     layer, params = _layer(world, cfg["seq"], cfg["dim"], cfg["hidden"])
     torch.manual_seed(1 + rank)
     x = torch.randn(cfg["seq"] // world, cfg["dim"], requires_grad=True)
 
-    results = {}
+    # Every scheme compiled first (each its own backend, so Dynamo keeps one entry per
+    # scheme); the graphs that ran are what the compile's report holds after the passes.
+    steps, reports = {}, {}
     for name, options in SCHEMES.items():
-        torch._dynamo.reset()
-        step = _layer_step(layer, params, x, **options)
-        step()
-        # The graphs that ran: the compile's report holds them as the passes left them.
-        predicted = simulate(leancompile.last_report(), profile, world_size=world)
-        times = []
-        for _ in range(cfg["rounds"]):
+        steps[name] = _layer_step(layer, params, x, **options)
+        steps[name]()
+        reports[name] = leancompile.last_report()
+    # Calibrated at the schemes' own matmul shapes, activation size and message size.
+    loads = [workload(r) for r in reports.values()]
+    profile = calibrate_cpu_gloo(workload={
+        "matmuls": list(dict.fromkeys(s for load in loads for s in load["matmuls"])),
+        "activation": max(load["activation"] for load in loads),
+        "message": max(load["message"] for load in loads)})
+    times = {name: [] for name in SCHEMES}
+    for _ in range(cfg["rounds"]):  # interleaved: a slower spell of the machine hits all
+        for name, step in steps.items():
             dist.barrier()
             start = time.perf_counter()
             step()
             t = torch.tensor([time.perf_counter() - start])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a layer is as slow as its slowest rank
-            times.append(t.item())
-        measured = min(times)
+            times[name].append(t.item())
+    results = {}
+    for name in SCHEMES:
+        predicted = simulate(reports[name], profile, world_size=world)
+        measured = min(times[name])
         results[name] = {"simulated_s": predicted.total_s, "measured_s": measured,
                          "error": abs(predicted.total_s - measured) / measured,
                          "simulated_exposed_s": predicted.exposed_comm_s,
-                         "measured_median_s": sorted(times)[len(times) // 2]}
+                         "measured_median_s": sorted(times[name])[len(times[name]) // 2]}
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"profile": json.loads(profile.to_json()), "schemes": results}, f)

@@ -5,15 +5,24 @@ Measured (ranks in lockstep, each sample long enough that ranks sharing cores sh
 median of samples; every number the mean over the ranks):
 
 - matmul time at two sizes, fitted to ``t(F) = t0 + F / P`` (``flops["float32"] = P``,
-  ``matmul_overhead = t0``, ``matmul_efficiency = 1``);
-- memory bandwidth: an add of two 8 MiB tensors (three tensors moved; an activation's size);
+  ``matmul_overhead = t0``, ``matmul_efficiency = 1``); given the workload's own matmul
+  shapes (``workload(graphs)``), the large point is those matmuls (the mean of their FLOPs
+  and of their times) instead of a square 768^3 one: a CPU's GEMM speed depends on the shape by 10% and more;
+- memory bandwidth: the exact GELU as eager pointwise ops (``x * 0.5 * (1 + erf(x / √2))``,
+  each allocating its output, as a graph's ops do) on an activation-sized tensor (the
+  workload's largest pointwise output, else 8 MiB), bytes counted as the simulator counts them
+  (inputs + outputs): what an activation's pointwise ops reach, allocation and ``erf``'s
+  arithmetic included, not a streaming copy's peak (2-3x higher here);
 - kernel overhead: an add of one-element tensors;
 - the P2P exchange of ``runtime/p2p.py`` (a send to rank r+1 and a receive from r-1 at once) at
   two sizes: latency and bandwidth;
 - an all-gather at two sizes: the bus bandwidth of ring collectives; a reduce-scatter at two
   sizes: that of reductions (gloo sums on the cores);
-- how much of an exchange runs beside a matmul about as long: ``comm_compute_overlap`` =
-  ``(t_matmul + t_exchange - t_both) / min(t_matmul, t_exchange)``.
+- how much of an exchange runs beside a matmul about as long (the workload's largest message
+  and its matmul nearest in time, when given): ``comm_compute_overlap`` =
+  ``(t_matmul + t_exchange - t_both) / min(t_matmul, t_exchange)``, negative (down to -1) where
+  the two side by side take longer than one after the other: ranks and gloo's threads
+  oversubscribing the cores (here, 4 ranks on 2 cores: -0.2 to -0.6).
 """
 
 from __future__ import annotations
@@ -23,10 +32,11 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 
 from .devices import DeviceProfile
 
-__all__ = ["calibrate_cpu_gloo"]
+__all__ = ["calibrate_cpu_gloo", "workload"]
 
 
 def _median(fn, repeats: int) -> float:
@@ -60,27 +70,78 @@ def _fit(x1, t1, x2, t2) -> tuple[float, float]:
     return max(t1 - slope * x1, 0.0), slope
 
 
-def calibrate_cpu_gloo(*, repeats: int = 5) -> DeviceProfile:
+def workload(graphs_or_report) -> dict:
+    """What of a workload the calibration should time: ``{"matmuls": [(m, k, n), ...],
+    "activation": numel, "message": numel}``: the fp32 ``mm``/``addmm`` shapes of the graphs
+    (each once), the largest output of their pointwise ops and their largest message of one
+    hop (a P2P exchange's send, a ring collective's shard), for
+    ``calibrate_cpu_gloo(workload=...)``."""
+    from .simulate import _FREE, _MATMULS, _graphs, _group_size, _name, _tensors
+
+    matmuls, activation, message = [], 0, 0
+    for graph in _graphs(graphs_or_report):
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            name = _name(node)
+            out = _tensors(node.meta.get("val"))
+            if name == "p2p_start" or name in ("all_gather_into_tensor",
+                                               "reduce_scatter_tensor"):
+                sent = _tensors(node.args[0].meta.get("val")) \
+                    if isinstance(node.args[0], fx.Node) else []
+                hop = sum(int(t.numel()) for t in sent)
+                message = max(message, hop if name != "reduce_scatter_tensor" else
+                              hop // max(_group_size(node) or 1, 1))
+            elif name in ("mm", "addmm"):
+                a, b = (_tensors(x.meta.get("val")) if isinstance(x, fx.Node) else []
+                        for x in node.args[-2:])
+                if a and b and a[0].dtype == torch.float32:
+                    shape = (int(a[0].shape[0]), int(a[0].shape[1]), int(b[0].shape[1]))
+                    if shape not in matmuls:
+                        matmuls.append(shape)
+            elif name not in _MATMULS and name not in _FREE and out and \
+                    out[0].dtype == torch.float32 and not name.startswith(("p2p", "all_",
+                                                                           "reduce_", "wait")):
+                activation = max(activation, int(out[0].numel()))
+    return {"matmuls": matmuls, "activation": activation, "message": message}
+
+
+def calibrate_cpu_gloo(*, repeats: int = 5, workload: dict | None = None) -> DeviceProfile:
     """The profile of this machine as the calling rank's process group sees it (collective:
-    every rank calls it)."""
+    every rank calls it). ``workload`` (``workload(graphs)``, the same on every rank: the
+    ranks' exchanges pair up): time its matmul shapes, activation size and message rather
+    than generic ones."""
     from ..runtime.p2p import start_exchange, wait_exchange
 
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD.group_name
     g = torch.Generator().manual_seed(rank)
+    shapes = list((workload or {}).get("matmuls") or [])
 
-    # Matmuls: 1 / rate = 1 / P + (H / P) / F
-    rates = []
-    for n in (128, 768):
-        a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-        flops = 2 * n ** 3
-        rates.append((flops, flops / _mean(_median(lambda: a @ b, repeats))))
-    (f1, r1), (f2, r2) = rates
-    inv_p, h_over_p = _fit(1 / f2, 1 / r2, 1 / f1, 1 / r1)  # 1 / P, t0
-    peak = 1 / inv_p if inv_p > 0 else r2
+    # Matmuls: t(F) = t0 + F / P through a small square one and the large point (the
+    # workload's shapes, the mean of their FLOPs and of their times; else a 768^3 one).
+    a, b = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
+    f_small, t_small_mm = 2 * 128 ** 3, _mean(_median(lambda: a @ b, repeats))
+    f_large = t_large_mm = 0.0
+    for m, k, n in shapes or [(768, 768, 768)]:
+        a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+        f_large += 2 * m * k * n
+        t_large_mm += _mean(_median(lambda: a @ b, repeats))
+    count = len(shapes) or 1
+    h_over_p, inv_p = _fit(f_small, t_small_mm, f_large / count, t_large_mm / count)  # t0, 1/P
+    peak = 1 / inv_p
 
-    big = [torch.randn(2 * 2**20, generator=g) for _ in range(2)]  # an activation's size
-    bandwidth = 3 * big[0].numel() * 4 / _mean(_median(lambda: big[0].add(big[1]), repeats))
+    # Pointwise ops: the exact GELU's, each allocating its output, on an activation's size.
+    numel = int((workload or {}).get("activation") or 2 * 2**20)
+    x = torch.randn(numel, generator=g)
+
+    def gelu():
+        h = x * 0.5
+        e = torch.erf(x * 0.7071067811865476)
+        return h * (e + 1)
+
+    moved = (2 + 2 + 2 + 2 + 3) * numel * 4  # mul, mul, erf, add, mul: inputs + outputs
+    bandwidth = moved / _mean(_median(gelu, repeats))
     one = torch.ones(1)
     overhead = _mean(_median(lambda: one.add(one), 50))
 
@@ -113,21 +174,30 @@ def calibrate_cpu_gloo(*, repeats: int = 5) -> DeviceProfile:
     _, reduce_per_byte = _fit(small.numel() * 4, r_small / (world - 1),
                               large.numel() * 4, r_large / (world - 1))
 
-    # A matmul about as long as the exchange, so that the overlap is well measured; the
-    # three timed in turns, several times.
-    n = min((256, 384, 512, 768, 1024), key=lambda m: abs(2 * m ** 3 / peak - t_large))
-    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-    t_mm = _mean(_median(lambda: a @ b, 2 * repeats))
+    # How an exchange and a matmul about as long fare side by side: the workload's largest
+    # message and its matmul nearest to it in time (else 4 MiB and a square one); the three
+    # timed in turns, three times.
+    message = torch.randn(int((workload or {}).get("message") or large.numel()), generator=g)
+    t_message = _mean(_median(lambda: exchange(message), repeats))
+    m, k, n = min(shapes or [(s, s, s) for s in (256, 384, 512, 768, 1024)],
+                  key=lambda mkn: abs(h_over_p + 2 * mkn[0] * mkn[1] * mkn[2] / peak
+                                      - t_message))
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
 
-    def both():
-        pending = start_exchange(large, large.shape, (rank + 1) % world, (rank - 1) % world,
-                                 group)
-        a @ b
-        wait_exchange(pending)
+    def ring():  # as FlashOverlap's ring issues them: world - 1 hops, a matmul beside each
+        for _ in range(world - 1):
+            pending = start_exchange(message, message.shape, (rank + 1) % world,
+                                     (rank - 1) % world, group)
+            a @ b
+            wait_exchange(pending)
 
-    t_both = _mean(_median(both, 2 * repeats))
-    t_large = _mean(_median(lambda: exchange(large), 2 * repeats))
-    overlap = (t_mm + t_large - t_both) / min(t_mm, t_large)
+    estimates = []
+    for _ in range(3):  # on oversubscribed cores one estimate moves by +-0.3: their median
+        t_both = _mean(_median(ring, repeats)) / (world - 1)
+        t_alone = _mean(_median(lambda: exchange(message), repeats))
+        t_matmul = _mean(_median(lambda: a @ b, repeats))
+        estimates.append((t_matmul + t_alone - t_both) / min(t_matmul, t_alone))
+    overlap = sorted(estimates)[1]
     threads = torch.get_num_threads()
     cpus = os.cpu_count() or 1
     return DeviceProfile(
@@ -136,17 +206,20 @@ def calibrate_cpu_gloo(*, repeats: int = 5) -> DeviceProfile:
         collective_bandwidth=1 / gather_per_byte, reduce_bandwidth=1 / reduce_per_byte,
         memory_bytes=_memory_bytes(),
         kernel_overhead=overhead, matmul_efficiency=1.0, matmul_overhead=h_over_p,
-        comm_compute_overlap=min(max(overlap, 0.0), 1.0), symmetric_memory=False,
-        sources={"flops": f"measured: fp32 matmuls of 128^3 and 768^3 with {threads} "
-                          f"thread(s) per rank, {world} ranks on {cpus} CPUs",
-                 "memory_bandwidth": "measured: add of two 8 MiB tensors",
+        comm_compute_overlap=min(max(overlap, -1.0), 1.0), symmetric_memory=False,
+        sources={"flops": f"measured: fp32 matmuls of 128^3 and "
+                          f"{'the workload' + chr(39) + 's ' + str(shapes) if shapes else '768^3'}"
+                          f" with {threads} thread(s) per rank, {world} ranks on {cpus} CPUs",
+                 "memory_bandwidth": f"measured: the exact GELU as eager pointwise ops on "
+                                     f"{numel} fp32 elements",
                  "link_bandwidth": "measured: leancompile P2P exchanges of 1 KiB and 4 MiB "
                                    "over gloo",
                  "collective_bandwidth": "measured: gloo all_gather_into_tensor of 1 KiB "
                                          "and 4 MiB shards",
                  "reduce_bandwidth": "measured: gloo reduce_scatter_tensor to 1 KiB and "
                                      "4 MiB parts",
-                 "comm_compute_overlap": f"measured: a 4 MiB exchange beside a {n}^3 matmul"},
+                 "comm_compute_overlap": f"measured: a {message.numel() * 4} B exchange "
+                                         f"beside a {m}x{k}x{n} matmul, apart and together"},
         notes=f"calibrated in {world} gloo ranks on this machine")
 
 

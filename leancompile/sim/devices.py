@@ -73,7 +73,12 @@ class DeviceProfile:
     comm_compute_overlap: float = 1.0
     """Fraction of a transfer's time compute can run beside it: 1 where copy engines or the
     network move the data (GPUs); less on a CPU, where gloo's threads copy on the cores the
-    compute uses (the rest of each transfer holds the compute stream too)."""
+    compute uses (the rest of each transfer holds the compute stream too). Negative where
+    running the two side by side costs more than running them one after the other (ranks and
+    gloo's threads oversubscribing a few cores: switches, caches): a transfer with compute
+    issued beside it (before its wait) then also costs the compute stream ``-overlap x
+    min(transfer, that compute)``; as in the calibration, which times them apart and
+    together."""
     symmetric_memory: bool = False
     """Peers can read each other's memory (NVLink within one host): async-TP can run."""
     sources: dict[str, str] = field(default_factory=dict)
@@ -90,9 +95,9 @@ class DeviceProfile:
         if not 0 < self.matmul_efficiency <= 1:
             raise ValueError(f"{self.name}: matmul_efficiency={self.matmul_efficiency} must "
                              "be in (0, 1]")
-        if not 0 <= self.comm_compute_overlap <= 1:
+        if not -1 <= self.comm_compute_overlap <= 1:
             raise ValueError(f"{self.name}: comm_compute_overlap={self.comm_compute_overlap} "
-                             "must be in [0, 1]")
+                             "must be in [-1, 1]")
         if self.link_latency < 0 or self.kernel_overhead < 0:
             raise ValueError(f"{self.name}: latencies must be >= 0")
 

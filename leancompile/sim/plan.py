@@ -297,8 +297,10 @@ def plan_grpo(cfg: GRPOPlanConfig, costs: ModelCosts | None = None, *,
 
     def call(compute, comm):
         # FSDP prefetches the next layer's gather / reduces the last one's gradients beside
-        # the compute; the part of a transfer that cannot overlap adds to the compute.
-        return max(compute + (1 - overlap) * comm, comm)
+        # the compute; the part of a transfer that cannot overlap adds to the compute (and,
+        # where the two slow each other down, overlap < 0, the interference too).
+        return max(compute + (1 - max(overlap, 0.0)) * comm
+                   + max(-overlap, 0.0) * min(comm, compute), comm)
 
     inference = call(costs.inference_s, gather)
     forward = call(costs.forward_s, gather)

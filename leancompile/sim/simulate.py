@@ -306,6 +306,9 @@ def _run(graph: fx.Graph, index: int, profile: DeviceProfile, timeline: Timeline
                 node.all_input_nodes and _name(node) not in ("empty", "empty_strided",
                                                              "empty_like"):
             base[node] = base.get(node.all_input_nodes[0], node.all_input_nodes[0])
+    # comm_compute_overlap < 0: each transfer in flight -> [its seconds, the compute seconds
+    # issued beside it]; the interference is paid at its wait.
+    beside: dict[fx.Node, list[float]] = {}
     live = 0
     sizes: dict[fx.Node, int] = {}
     frees: dict[int, list[fx.Node]] = {}
@@ -331,19 +334,31 @@ def _run(graph: fx.Graph, index: int, profile: DeviceProfile, timeline: Timeline
                 ready[node] = compute_free
                 timeline.spans.append(Span(node.name, label, "compute", start, compute_free,
                                            flops, nbytes, index))
+                for entry in beside.values():
+                    entry[1] += seconds
             elif stream == "comm":
                 start = max(comm_free, start_ready)
                 comm_free = start + seconds
                 ready[node] = done[node] = comm_free
                 timeline.spans.append(Span(node.name, label, "comm", start, comm_free, 0.0,
                                            nbytes, index))
-                shared = (1 - profile.comm_compute_overlap) * seconds
+                shared = (1 - max(profile.comm_compute_overlap, 0.0)) * seconds
                 if shared > 0:  # the transfer's share of the cores the compute runs on
                     held = max(compute_free, start)
                     timeline.spans.append(Span(node.name, f"{label} (on the compute cores)",
                                                "wait", held, held + shared, 0.0, 0, index))
                     compute_free = held + shared
+                if profile.comm_compute_overlap < 0:
+                    beside[node] = [seconds, 0.0]
             else:  # a wait: the compute stream holds until the transfer has arrived
+                entry = beside.pop(node.all_input_nodes[0], None) if node.all_input_nodes \
+                    else None
+                penalty = -profile.comm_compute_overlap * min(entry) if entry else 0.0
+                if penalty > 0:  # the transfer and the compute beside it slowed each other
+                    timeline.spans.append(Span(node.name, f"{label} (interference)", "wait",
+                                               compute_free, compute_free + penalty, 0.0, 0,
+                                               index))
+                    compute_free += penalty
                 arrived = max((done.get(a, ready.get(a, clock))
                                for a in node.all_input_nodes[:1]), default=clock)
                 if arrived > compute_free:
