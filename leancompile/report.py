@@ -103,6 +103,10 @@ class GraphRecord:
     auto: dict | None = None
     """``overlap="auto"``: the device, the candidate chosen and each candidate's predicted
     seconds."""
+    seconds: float = 0.0
+    """Wall time of the whole pipeline on this graph: the passes, the snapshots and op counts
+    of the report and, under ``overlap="auto"``, the candidates' trials (what
+    ``leancompile bench compile`` counts as the pipeline's own time)."""
 
     @property
     def before(self) -> str:

@@ -172,6 +172,46 @@ def test_bench_compile_measures_both_sides():
     assert entry["plain_s"] > 0 and entry["ours_s"] > 0 and entry["passes_off_s"] > 0
     assert entry["overhead"] == entry["ours_s"] / entry["plain_s"] - 1
     assert entry["passes_overhead"] == entry["ours_s"] / entry["passes_off_s"] - 1
+    # aot_eager's same-tracing baseline is aot_eager_decomp_partition, timed on its own
+    assert entry["same_tracing_s"] > 0 and entry["same_tracing_s"] != entry["plain_s"]
+    assert entry["same_tracing_overhead"] == entry["ours_s"] / entry["same_tracing_s"] - 1
+    # the pipeline's own time: every graph's record, at least the passes inside it
+    assert 0 < entry["in_passes_s"] <= entry["pipeline_s"] < entry["ours_s"]
+    assert entry["pipeline_share"] == entry["pipeline_s"] / entry["same_tracing_s"]
+
+
+def test_pipeline_records_its_own_time_and_leaves_the_code_to_the_compiler():
+    """``GraphRecord.seconds`` covers the passes; inside the pipeline a pass does not
+    regenerate the graph's code (the compiler does, once); called on its own it does."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from leancompile.options import CompileOptions
+    from leancompile.passes.canonicalize import canonicalize_pass
+    from leancompile.pipeline import Pipeline
+
+    def f(x):
+        return x.view(-1) + 1  # canonicalize rewrites the view
+
+    example = torch.randn(2, 3)
+
+    def traced():
+        gm = make_fx(f)(example)
+        FakeTensorProp(gm, FakeTensorMode()).propagate(example)
+        return gm
+
+    gm = traced()
+    code = gm.code
+    record = Pipeline(CompileOptions()).run(gm, phase="forward")
+    assert next(p for p in record.passes if p.name == "canonicalize").rewritten
+    assert record.seconds >= sum(p.seconds for p in record.passes) > 0
+    assert gm.code == code  # not regenerated inside the pipeline
+    gm.recompile()
+    assert gm.code != code and torch.equal(gm(example), f(example))
+    alone = traced()
+    canonicalize_pass(alone, CompileOptions())
+    assert alone.code != code  # on its own, the pass regenerates it
 
 
 def test_soak_keeps_nothing_between_steps():

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .result import PassResult
+from .result import PassResult, recompile
 
 __all__ = ["canonicalize_pass", "find_reshape_matches", "find_noop_slice_matches",
            "find_alias_matches", "find_buffer_copy_matches", "find_dead_code_matches",
@@ -311,5 +311,5 @@ def canonicalize_pass(gm: fx.GraphModule, options=None) -> PassResult:
         result.rewrite(match.node, "view->reshape")
     if result.rewritten:
         gm.graph.lint()
-        gm.recompile()
+        recompile(gm)
     return result

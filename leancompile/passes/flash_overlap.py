@@ -67,7 +67,7 @@ from .flash_overlap_match import (_SAME_LAYOUT, AG_SITE, RS_SITE, AllGatherMatch
                                   ReduceScatterMatch, _same_shape, _Skip,
                                   find_all_gather_matches,
                                   find_reduce_scatter_matches, is_backward_graph)
-from .result import PassResult
+from .result import PassResult, recompile
 
 __all__ = ["flash_overlap_pass", "rewrite_all_gather", "rewrite_reduce_scatter", "NAME",
            "VERSION"]
@@ -925,7 +925,7 @@ def _rewrite_graph(gm: fx.GraphModule, options, result: PassResult, failed: dict
         if result.rewritten:
             _bind_symbolic_sizes(graph)
         graph.lint()
-        gm.recompile()
+        recompile(gm)
     candidates = [n for n in collectives if n.target in handled
                   and site_options[n.name].overlap is not None]
     if not result.rewritten and candidates:  # all-reduces alone: nothing for the pass, no noise
@@ -1089,4 +1089,4 @@ def _restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
     new_output = graph.output(out, type_expr=old_output.type)
     new_output.meta = dict(old_output.meta)
     if graph.owning_module is not None:
-        graph.owning_module.recompile()
+        recompile(graph.owning_module)

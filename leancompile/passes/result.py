@@ -2,10 +2,33 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from dataclasses import dataclass, field
 
-__all__ = ["Site", "PassResult"]
+__all__ = ["Site", "PassResult", "recompile", "recompile_deferred"]
+
+_DEFERRED = contextvars.ContextVar("leancompile_recompile_deferred", default=False)
+
+
+def recompile(gm) -> None:
+    """``gm.recompile()`` (the graph's Python code regenerated) after a pass changed the
+    graph, unless the pipeline runs the pass: the compiler regenerates the code once after
+    all passes (``aot_eager`` when it wraps the graphs, Inductor at the end of its post-grad
+    passes), and regenerating it after every pass was a third of the pipeline's own time."""
+    if not _DEFERRED.get():
+        gm.recompile()
+
+
+@contextlib.contextmanager
+def recompile_deferred():
+    """Inside: ``recompile`` leaves the code to the caller."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
 
 
 @dataclass(frozen=True, kw_only=True)
