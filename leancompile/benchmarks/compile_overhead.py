@@ -7,8 +7,14 @@ and AOTAutograd's cache off (a cache hit skips every post-grad pass), and prints
 ours / plain - 1, by median and by min, and the pipeline's own time (below). Models:
 
 * ``flux``: the velocity of a tiny diffusers FLUX policy (1 double + 1 single block, the
-  ``bench grpo`` model shrunk); no pass rewrites anything there, so this is the price of running the pipeline at all
-  (canonicalisation, matching, the report's graph snapshots).
+  ``bench grpo`` model shrunk); no pass rewrites anything there, so this is the price of
+  running the pipeline at all (canonicalisation, matching, the report's graph snapshots).
+* ``block``: the TP+SP transformer block of ``demo overlap`` (attention + MLP, DTensor
+  ``parallelize_module``) on 2 gloo ranks, with ``overlap="flash"``: the passes rewrite 10
+  sites (4 forward, 6 backward; the overhead includes that work).
+* ``tpsp``: the bare TP+SP MLP layer of ``bench overlap`` (two matmuls, their gather and
+  reduce-scatter and nothing else) on 2 gloo ranks, ``overlap="flash"``: 4 sites rewritten in
+  a graph that is little more than those sites, the worst case for the rewrite's share.
 
 Columns: ``vs plain`` (end to end against the plain backend), ``vs same`` (against the plain
 compile with our tracing: ``aot_eager_decomp_partition`` for ``aot_eager``, since our
@@ -18,13 +24,6 @@ pipeline's own wall time, from the report's ``GraphRecord.seconds``: passes, sna
 counts, against the same-tracing compile). The last is the compile-time overhead of the pass
 pipeline, held to 10%; a rewritten graph costs Inductor more to compile (more nodes and
 kernels), which ``rewrite`` shows and the pipeline cannot avoid without rewriting less.
-
-* ``block``: the TP+SP transformer block of ``demo overlap`` (attention + MLP, DTensor
-  ``parallelize_module``) on 2 gloo ranks, with ``overlap="flash"``: the passes rewrite 10
-  sites (4 forward, 6 backward; the overhead includes that work).
-* ``tpsp``: the bare TP+SP MLP layer of ``bench overlap`` (two matmuls, their gather and
-  reduce-scatter and nothing else) on 2 gloo ranks, ``overlap="flash"``: 4 sites rewritten in
-  a graph that is little more than those sites, the worst case for the rewrite's share.
 
 Reports print their graphs' code only when read (``report.graph(...).before``, ``print``,
 ``save``), so a compile nobody inspects does not pay for it.

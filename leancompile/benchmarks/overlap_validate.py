@@ -2,10 +2,10 @@
 
 For 2 and 4 gloo ranks: compile each scheme (sequential, slice, flash, direct) of the TP+SP MLP
 layer of ``bench overlap`` (forward + backward, ``aot_eager``), calibrate ``cpu-gloo`` inside
-the ranks at the schemes' own matmul shapes, activation size and message size (``calibrate.py``), time the
-compiled layers in interleaved rounds (minimum over rounds of the slowest rank) and simulate
-the same post-pass graphs on the calibrated profile. Prints both and the relative error per
-scheme.
+the ranks at the schemes' own matmul shapes, activation size and message size
+(``calibrate.py``), time the compiled layers in interleaved rounds (minimum over rounds of the
+slowest rank) and simulate the same post-pass graphs on the calibrated profile. Prints both
+and the relative error per scheme.
 """
 
 from __future__ import annotations

@@ -96,18 +96,18 @@ def _png(path: Path, panels: list[tuple[str, dict]]) -> None:
 def _overlap_worker(rank, world, init, out, cfg):
     import leancompile
 
-    from ..sim.calibrate import calibrate_cpu_gloo
+    from ..sim.calibrate import calibrate_cpu_gloo, workload
     from ..sim.simulate import simulate
     from .overlap import _layer, _layer_step
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    profile = calibrate_cpu_gloo(repeats=3)
     layer, params = _layer(world, cfg["seq"], cfg["dim"], cfg["hidden"])
     x = torch.randn(cfg["seq"] // world, cfg["dim"], requires_grad=True)
     step = _layer_step(layer, params, x, overlap="flash")
     step()
     report = leancompile.last_report()
+    profile = calibrate_cpu_gloo(repeats=3, workload=workload(report))
     step()
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

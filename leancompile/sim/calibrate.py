@@ -7,7 +7,8 @@ median of samples; every number the mean over the ranks):
 - matmul time at two sizes, fitted to ``t(F) = t0 + F / P`` (``flops["float32"] = P``,
   ``matmul_overhead = t0``, ``matmul_efficiency = 1``); given the workload's own matmul
   shapes (``workload(graphs)``), the large point is those matmuls (the mean of their FLOPs
-  and of their times) instead of a square 768^3 one: a CPU's GEMM speed depends on the shape by 10% and more;
+  and of their times) instead of a square 768^3 one: a CPU's GEMM speed depends on the shape
+  by 10% and more;
 - memory bandwidth: the exact GELU as eager pointwise ops (``x * 0.5 * (1 + erf(x / √2))``,
   each allocating its output, as a graph's ops do) on an activation-sized tensor (the
   workload's largest pointwise output, else 8 MiB), bytes counted as the simulator counts them
