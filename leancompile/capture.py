@@ -505,8 +505,7 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
         if compiler == "aot_eager":
             graph.graph.eliminate_dead_code()
             graph_pass.run_previous(graph.graph, is_inference=phase == "inference")
-            graph_pass.run(graph, phase=phase)
-            graph.recompile()
+            graph_pass.run(graph, phase=phase)  # regenerates the code once, after the passes
             run = frameless(graph)  # no Python frame per op (runtime/frameless.py)
             return lambda args: run(*args)
         from torch._inductor import config as inductor_config

@@ -97,7 +97,9 @@ class LeanGraphPass(_PassBase):
         gm = graph.owning_module
         if gm is None:
             raise RuntimeError("leancompile's pass needs a graph owned by a GraphModule")
-        self.run(gm, phase=_phase_of(graph, is_inference))
+        # Inductor regenerates the code once, at the end of its post-grad passes (which work
+        # on the graph, not the code).
+        self.run(gm, phase=_phase_of(graph, is_inference), recompile=False)
 
     def run_previous(self, graph: fx.Graph, *, is_inference: bool) -> None:
         """Run the pass that was installed before ours, the way Inductor would have."""
@@ -108,8 +110,11 @@ class LeanGraphPass(_PassBase):
         else:
             self.previous(graph)
 
-    def run(self, gm: fx.GraphModule, *, phase: str) -> GraphRecord:
-        record = self.pipeline.run(gm, phase=phase, graph_index=self._graph_index)
+    def run(self, gm: fx.GraphModule, *, phase: str, recompile: bool = True) -> GraphRecord:
+        """The pipeline on ``gm``, recorded in the compile's report (``recompile``: as
+        ``Pipeline.run``)."""
+        record = self.pipeline.run(gm, phase=phase, graph_index=self._graph_index,
+                                   recompile=recompile)
         report = self._report
         if report is None:  # installed pass: the report of the compile this graph belongs to
             report = _unbound_report(self.options, phase)
@@ -224,8 +229,7 @@ def aot_eager(graph_pass: LeanGraphPass):
         def compile_graph(gm: fx.GraphModule, example_inputs):
             gm.graph.eliminate_dead_code()  # Inductor does this before its custom passes
             graph_pass.run_previous(gm.graph, is_inference=phase == "inference")
-            graph_pass.run(gm, phase=phase)
-            gm.recompile()
+            graph_pass.run(gm, phase=phase)  # regenerates gm's code once, after the passes
             return make_boxed_func(gm.forward)
         return compile_graph
 

@@ -42,12 +42,19 @@ class Pipeline:
         log.debug("leancompile pipeline: %s", ", ".join(
             f"{s.name}{' (disabled)' if s.name in options.disable else ''}" for s in self.specs))
 
-    def run(self, gm: fx.GraphModule, *, phase: str, graph_index: int = 0) -> GraphRecord:
+    def run(self, gm: fx.GraphModule, *, phase: str, graph_index: int = 0,
+            recompile: bool = True) -> GraphRecord:
+        """Run the passes on ``gm`` in place. The passes leave ``gm``'s Python code to this
+        method: regenerated once at the end (``recompile=False``: to the caller, a compiler
+        that regenerates it anyway; regenerating it after every pass was a third of the
+        pipeline's own time)."""
         start = time.perf_counter()
         if self.options.overlap == "auto":
             record = self._run_auto(gm, phase=phase, graph_index=graph_index)
         else:
             record = self._run(gm, phase=phase, graph_index=graph_index)
+        if recompile:
+            gm.recompile()
         record.seconds = time.perf_counter() - start
         return record
 
@@ -106,7 +113,7 @@ class Pipeline:
         def predict(**extra) -> float:
             trial = copy.deepcopy(gm)
             Pipeline(dataclasses.replace(plain, **extra)).run(
-                trial, phase=phase, graph_index=graph_index)
+                trial, phase=phase, graph_index=graph_index, recompile=False)  # simulated
             return simulate(trial, device).total_s
 
         predicted = {name: predict(**extra) for name, extra in OVERLAP_CANDIDATES.items()}
@@ -123,7 +130,8 @@ class Pipeline:
         extra = OVERLAP_CANDIDATES.get(chosen, {"overlap": "flash", "overlap_sites": plan})
         concrete = dataclasses.replace(plain, **extra,
                                        strict=self.options.strict and bool(extra))
-        record = Pipeline(concrete).run(gm, phase=phase, graph_index=graph_index)
+        record = Pipeline(concrete).run(gm, phase=phase, graph_index=graph_index,
+                                        recompile=False)  # run() regenerates the code
         record.auto = {"device": device, "chosen": chosen, "predicted_s": predicted,
                        "sites": plan}
         log.info("leancompile overlap='auto' %s graph %d on %s: %s (%s)", phase, graph_index,

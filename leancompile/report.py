@@ -203,7 +203,7 @@ class Report:
             "graphs": [{"name": r.name, "phase": r.phase, "graph_index": r.graph_index,
                         "passes": [p.to_dict() for p in r.passes],
                         "op_diff": {k: list(v) for k, v in r.op_diff.items()},
-                        "auto": r.auto}
+                        "auto": r.auto, "seconds": r.seconds}
                        for r in self.graphs],
         }
 

@@ -318,16 +318,35 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _run(fn, params, x, backend=None, *, wrap=None):
+def _run(fn, params, x, backend=None, *, wrap=None, p2p_runs=None):
+    """One forward + backward of ``fn`` compiled (or eager); ``p2p_runs`` (a list): the
+    compiled step runs once more under the profiler and the P2P exchanges it started are
+    appended (the graphs' rewritten code really runs, not only the report's)."""
     torch._dynamo.reset()
     compiled = wrap(fn) if wrap else torch.compile(fn, backend=backend) if backend else fn
-    y = compiled(x)
-    _local(y).square().sum().backward() if hasattr(y, "to_local") else y.square().sum().backward()
-    out = [_local(y).detach().clone(), x.grad.clone()] + [_local(p.grad).clone() for p in params]
-    x.grad = None
-    for p in params:
-        p.grad = None
+
+    def step():
+        y = compiled(x)
+        (_local(y) if hasattr(y, "to_local") else y).square().sum().backward()
+        out = [_local(y).detach().clone(), x.grad.clone()] + \
+            [_local(p.grad).clone() for p in params]
+        x.grad = None
+        for p in params:
+            p.grad = None
+        return out
+
+    out = step()
+    if p2p_runs is not None:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step()
+        p2p_runs.append(sum("p2p_start" in e.name for e in prof.events()))
     return out
+
+
+def _p2p_nodes() -> int:
+    """P2P exchanges in the last compile's graphs as the pipeline left them."""
+    return sum("p2p_start" in str(n.target) for g in leancompile.last_report().graphs
+               for n in g.after_snapshot.graph.nodes)
 
 
 def _report():
@@ -363,6 +382,7 @@ def _worker(rank, world, init_file, out_dir, cases):
     logger.setLevel(logging.WARNING)
     logger.addHandler(Collect(level=logging.WARNING))
     records = {}
+    p2p_runs = []
     bases = {}  # the program without the pass, per (model, seq): the same on every case
     try:
         for case in cases:
@@ -389,7 +409,7 @@ def _worker(rank, world, init_file, out_dir, cases):
                             fx_graph_cache=False,
                             reorder_for_compute_comm_overlap=bool(case.get("reorder"))), \
                         torch._functorch.config.patch(enable_autograd_cache=False):
-                    outs = _run(fn, params, x, "inductor")
+                    outs = _run(fn, params, x, "inductor", p2p_runs=p2p_runs)
                 base = eager
             else:
                 if (model, seq) not in bases:
@@ -405,9 +425,10 @@ def _worker(rank, world, init_file, out_dir, cases):
                 else:
                     wrap = lambda f: torch.compile(  # noqa: E731
                         f, backend=leancompile.backend(compiler="aot_eager", **options))
-                outs = _run(fn, params, x, wrap=wrap)
+                outs = _run(fn, params, x, wrap=wrap, p2p_runs=p2p_runs)
             records[name] = {"diff": _compare(outs, base), "report": _report(),
-                             "vs_eager": _compare(outs, eager), "warnings": warnings_seen[:]}
+                             "vs_eager": _compare(outs, eager), "warnings": warnings_seen[:],
+                             "p2p": [p2p_runs.pop(), _p2p_nodes()]}
             warnings_seen.clear()
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -418,7 +439,17 @@ def _worker(rank, world, init_file, out_dir, cases):
 def run_ranks(tmp_path, world, cases):
     spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path), cases),
           nprocs=world, join=True)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    flash = {c["name"] for c in cases if c["options"].get("overlap") == "flash"}
+    for rank, records in enumerate(ranks):
+        for name, record in records.items():
+            # The compiled step runs every P2P exchange its graphs hold: the code the
+            # compiler runs is the rewritten graph's, not a stale copy of the original.
+            ran, in_graphs = record["p2p"]
+            rewritten = any(g["rewritten"] for g in record["report"].values())
+            assert ran == in_graphs and (ran > 0) == (name in flash and rewritten), \
+                (rank, name, record["p2p"])
+    return ranks
 
 
 FLASH = {"overlap": "flash"}

@@ -4,6 +4,7 @@ forward, H200) traced at full size on the meta device, device profiles, traces a
 
 import dataclasses
 import json
+import operator
 
 import pytest
 import torch
@@ -83,47 +84,53 @@ def test_slow_links_expose_what_compute_cannot_hide_and_async_tp_needs_symmetric
     assert 0 < schemes["flash"]["exposed_comm_s"] < schemes["sequential"]["exposed_comm_s"]
 
 
-def _gather_beside_a_matmul(overlap: float, beside: bool):
+def _gather_beside_a_matmul(overlap: float, beside: bool, *, side: int = 1024,
+                            coalesced: bool = False):
     """all-gather(x) ; y @ v ; wait ; relu(g @ w) on TOY with ``comm_compute_overlap``:
-    ``beside`` moves the wait after the independent matmul (compute issued while the transfer
-    is in flight), else the wait follows the gather as traced."""
+    ``beside`` moves the independent ``side``-square matmul in front of the wait (compute
+    issued while the transfer is in flight), else the wait follows the gather as traced;
+    ``coalesced``: the gather is a coalesced one, waited through a getitem."""
     def f(x, w, y, v):
-        g = funcol.all_gather_tensor(x, 0, "0")
+        if coalesced:
+            g = funcol.all_gather_into_tensor_coalesced([x], "0")[0]
+        else:
+            g = funcol.all_gather_tensor(x, 0, "0")
         return torch.relu(g @ w), y @ v
 
     profile = dataclasses.replace(TOY, comm_compute_overlap=overlap)
     with fake_group(4):
         gm = trace_graphs(f, torch.empty(256, 512, device="meta"),
                           torch.empty(512, 1024, device="meta"),
-                          torch.empty(1024, 1024, device="meta"),
-                          torch.empty(1024, 1024, device="meta"), backward=False)["forward"]
+                          torch.empty(side, side, device="meta"),
+                          torch.empty(side, side, device="meta"), backward=False)["forward"]
         nodes = {n.name: n for n in gm.graph.nodes}
         wait, independent = nodes["wait_tensor"], nodes["mm_1"]
         assert independent.args[0].op == "placeholder"  # y @ v
+        assert (wait.args[0].target is operator.getitem) == coalesced
         if beside:
-            independent.append(wait)
-        else:
-            wait.append(independent)
+            wait.prepend(independent)
         costs = {n.name: node_cost(n, profile)[1] for n in gm.graph.nodes
                  if n.op == "call_function"}
         return simulate(gm, profile), costs
 
 
-def test_interference_of_a_transfer_and_the_compute_beside_it():
+@pytest.mark.parametrize("side,coalesced", [(1024, False), (128, False), (1024, True)])
+def test_interference_of_a_transfer_and_the_compute_beside_it(side, coalesced):
     """``comm_compute_overlap < 0`` (cores oversubscribed): a transfer with compute issued
-    beside it costs ``-overlap x min(transfer, that compute)`` more; one waited at once costs
-    what it did at overlap 0."""
-    compute = None
+    beside it costs ``-overlap x min(transfer, that compute)`` more (the compute the longer
+    one, or the shorter; a wait through a getitem too); one waited at once costs what it did
+    at overlap 0."""
     for beside in (False, True):
-        base, costs = _gather_beside_a_matmul(0.0, beside)
-        slow, _ = _gather_beside_a_matmul(-0.5, beside)
-        gather = costs["all_gather_into_tensor"]
+        base, costs = _gather_beside_a_matmul(0.0, beside, side=side, coalesced=coalesced)
+        slow, _ = _gather_beside_a_matmul(-0.5, beside, side=side, coalesced=coalesced)
+        gather = next(v for k, v in costs.items() if k.startswith("all_gather"))
         compute = costs["mm"] + costs["mm_1"] + costs["relu"]
         # overlap 0: the transfer holds the compute stream for all of its time
         assert base.total_s == pytest.approx(gather + compute)
         extra = 0.5 * min(gather, costs["mm_1"]) if beside else 0.0
         assert slow.total_s == pytest.approx(base.total_s + extra)
         assert any("(interference)" in s.op for s in slow.spans) == beside
+    assert (costs["mm_1"] < gather) == (side == 128)  # both sides of the min are exercised
     with pytest.raises(ValueError, match=r"comm_compute_overlap=-1.5 must be in \[-1, 1\]"):
         dataclasses.replace(TOY, comm_compute_overlap=-1.5)
 
@@ -139,10 +146,10 @@ def test_workload_lists_the_graphs_matmuls_activation_and_message():
         gm = trace_graphs(f, torch.empty(256, 512, device="meta", requires_grad=True),
                           torch.empty(512, 1024, device="meta", requires_grad=True))
     load = workload([gm["forward"], gm["backward"]])
-    # forward (1024 x 512) @ (512 x 1024); backward: the weight's and the input's gradients
-    assert (1024, 512, 1024) in load["matmuls"]
-    assert {(512, 1024, 1024), (1024, 1024, 512)} <= set(load["matmuls"])
-    assert load["activation"] == 1024 * 1024  # gelu's output
+    # forward (1024 x 512) @ (512 x 1024); backward: the weight's and the input's gradients;
+    # each once
+    assert sorted(load["matmuls"]) == [(512, 1024, 1024), (1024, 512, 1024), (1024, 1024, 512)]
+    assert load["activation"] == 1024 * 1024  # gelu's output (and its gradient's)
     assert load["message"] == 256 * 512  # one shard of the gather
 
 

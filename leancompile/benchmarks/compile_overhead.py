@@ -94,7 +94,8 @@ def _rounds(make, compiler: str, rounds: int, **options) -> dict:
     med = {name: statistics.median(t) for name, t in times.items()}
     low = {name: min(t) for name, t in times.items()}
     same = "same_tracing" if "same_tracing" in med else "plain"
-    return {"plain_s": med["plain"], "plain_s_min": low["plain"],
+    return {"plain": plain_backend, "plain_s": med["plain"], "plain_s_min": low["plain"],
+            "same_tracing": backends[same](),
             "same_tracing_s": med[same], "same_tracing_s_min": low[same],
             "ours_s": med["ours"], "ours_s_min": low["ours"],
             "passes_off_s": med["passes_off"], "passes_off_s_min": low["passes_off"],

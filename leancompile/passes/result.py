@@ -14,9 +14,9 @@ _DEFERRED = contextvars.ContextVar("leancompile_recompile_deferred", default=Fal
 
 def recompile(gm) -> None:
     """``gm.recompile()`` (the graph's Python code regenerated) after a pass changed the
-    graph, unless the pipeline runs the pass: the compiler regenerates the code once after
-    all passes (``aot_eager`` when it wraps the graphs, Inductor at the end of its post-grad
-    passes), and regenerating it after every pass was a third of the pipeline's own time."""
+    graph, unless the pipeline runs the pass: ``Pipeline.run`` regenerates the code once after
+    all passes (or leaves it to a compiler that does: Inductor at the end of its post-grad
+    passes); regenerating it after every pass was a third of the pipeline's own time."""
     if not _DEFERRED.get():
         gm.recompile()
 

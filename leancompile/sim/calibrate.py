@@ -28,6 +28,7 @@ median of samples; every number the mean over the ranks):
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -74,10 +75,15 @@ def _fit(x1, t1, x2, t2) -> tuple[float, float]:
 def workload(graphs_or_report) -> dict:
     """What of a workload the calibration should time: ``{"matmuls": [(m, k, n), ...],
     "activation": numel, "message": numel}``: the fp32 ``mm``/``addmm`` shapes of the graphs
-    (each once), the largest output of their pointwise ops and their largest message of one
-    hop (a P2P exchange's send, a ring collective's shard), for
-    ``calibrate_cpu_gloo(workload=...)``."""
-    from .simulate import _FREE, _MATMULS, _graphs, _group_size, _name, _tensors
+    (each once), the largest fp32 output of their other compute ops (pointwise ops, ``cat``,
+    ...) and their largest message of one hop in elements (a P2P exchange's send, a ring
+    all-gather's or reduce-scatter's shard), for ``calibrate_cpu_gloo(workload=...)``, which
+    times fp32 (the only dtype ``cpu-gloo`` has a rate for). Symbolic sizes count at their
+    hints, as the simulator counts them."""
+    from .simulate import _FREE, _MATMULS, _concrete, _graphs, _group_size, _name, _tensors
+
+    def numel(t) -> int:  # symbolic sizes at their hints, as the simulator takes them
+        return math.prod(_concrete(d) for d in t.shape)
 
     matmuls, activation, message = [], 0, 0
     for graph in _graphs(graphs_or_report):
@@ -90,20 +96,20 @@ def workload(graphs_or_report) -> dict:
                                                "reduce_scatter_tensor"):
                 sent = _tensors(node.args[0].meta.get("val")) \
                     if isinstance(node.args[0], fx.Node) else []
-                hop = sum(int(t.numel()) for t in sent)
+                hop = sum(numel(t) for t in sent)
                 message = max(message, hop if name != "reduce_scatter_tensor" else
                               hop // max(_group_size(node) or 1, 1))
             elif name in ("mm", "addmm"):
                 a, b = (_tensors(x.meta.get("val")) if isinstance(x, fx.Node) else []
                         for x in node.args[-2:])
                 if a and b and a[0].dtype == torch.float32:
-                    shape = (int(a[0].shape[0]), int(a[0].shape[1]), int(b[0].shape[1]))
+                    shape = tuple(_concrete(d) for d in (*a[0].shape, b[0].shape[1]))
                     if shape not in matmuls:
                         matmuls.append(shape)
             elif name not in _MATMULS and name not in _FREE and out and \
                     out[0].dtype == torch.float32 and not name.startswith(("p2p", "all_",
                                                                            "reduce_", "wait")):
-                activation = max(activation, int(out[0].numel()))
+                activation = max(activation, numel(out[0]))
     return {"matmuls": matmuls, "activation": activation, "message": message}
 
 
@@ -120,17 +126,20 @@ def calibrate_cpu_gloo(*, repeats: int = 5, workload: dict | None = None) -> Dev
     shapes = list((workload or {}).get("matmuls") or [])
 
     # Matmuls: t(F) = t0 + F / P through a small square one and the large point (the
-    # workload's shapes, the mean of their FLOPs and of their times; else a 768^3 one).
+    # workload's shapes of at least 4x its FLOPs, the mean of their FLOPs and of their times;
+    # else a 768^3 one).
     a, b = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
     f_small, t_small_mm = 2 * 128 ** 3, _mean(_median(lambda: a @ b, repeats))
+    large = [s for s in shapes if 2 * math.prod(s) >= 4 * f_small] or [(768, 768, 768)]
     f_large = t_large_mm = 0.0
-    for m, k, n in shapes or [(768, 768, 768)]:
+    for m, k, n in large:
         a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
         f_large += 2 * m * k * n
         t_large_mm += _mean(_median(lambda: a @ b, repeats))
-    count = len(shapes) or 1
-    h_over_p, inv_p = _fit(f_small, t_small_mm, f_large / count, t_large_mm / count)  # t0, 1/P
-    peak = 1 / inv_p
+    f_large, t_large_mm = f_large / len(large), t_large_mm / len(large)
+    h_over_p, inv_p = _fit(f_small, t_small_mm, f_large, t_large_mm)  # t0, 1 / P
+    # (a large point no slower than the small one: the rate of the large point, no overhead)
+    peak = 1 / inv_p if inv_p > 1e-20 else f_large / t_large_mm
 
     # Pointwise ops: the exact GELU's, each allocating its output, on an activation's size.
     numel = int((workload or {}).get("activation") or 2 * 2**20)
@@ -180,9 +189,14 @@ def calibrate_cpu_gloo(*, repeats: int = 5, workload: dict | None = None) -> Dev
     # timed in turns, three times.
     message = torch.randn(int((workload or {}).get("message") or large.numel()), generator=g)
     t_message = _mean(_median(lambda: exchange(message), repeats))
-    m, k, n = min(shapes or [(s, s, s) for s in (256, 384, 512, 768, 1024)],
-                  key=lambda mkn: abs(h_over_p + 2 * mkn[0] * mkn[1] * mkn[2] / peak
-                                      - t_message))
+    def predicted(mkn):
+        return h_over_p + 2 * math.prod(mkn) / peak
+
+    # a workload matmul within 2x of the message's time, else a square one (a much shorter
+    # matmul would blow the exchange's jitter up in the ratio below)
+    near = [s for s in shapes if 0.5 <= predicted(s) / t_message <= 2]
+    m, k, n = min(near or [(s, s, s) for s in (256, 384, 512, 768, 1024)],
+                  key=lambda mkn: abs(predicted(mkn) - t_message))
     a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
 
     def ring():  # as FlashOverlap's ring issues them: world - 1 hops, a matmul beside each

@@ -76,7 +76,6 @@ def rewrite(gm: fx.GraphModule, phase: str, **options):
 
     gm = copy.deepcopy(gm)
     record = Pipeline(CompileOptions(**options)).run(gm, phase=phase)
-    gm.recompile()  # the pipeline leaves the code to the compiler
     return gm, record
 
 

@@ -182,8 +182,8 @@ def _flops(node: fx.Node) -> float:
 
 def _group_size(node: fx.Node) -> int:
     name = _name(node)
-    if name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-        return int(node.args[-2] if name == "all_gather_into_tensor" else node.args[2])
+    if name.startswith(("all_gather_into_tensor", "reduce_scatter_tensor")):  # (coalesced too)
+        return int(node.args[1] if name.startswith("all_gather") else node.args[2])
     if name == "all_to_all_single" and len(node.args) >= 4:
         return max(len(node.args[1] or node.args[2] or [1]), 1)
     return 0
@@ -351,8 +351,8 @@ def _run(graph: fx.Graph, index: int, profile: DeviceProfile, timeline: Timeline
                 if profile.comm_compute_overlap < 0:
                     beside[node] = [seconds, 0.0]
             else:  # a wait: the compute stream holds until the transfer has arrived
-                entry = beside.pop(node.all_input_nodes[0], None) if node.all_input_nodes \
-                    else None
+                src = node.all_input_nodes[0] if node.all_input_nodes else None
+                entry = beside.pop(base.get(src, src), None)  # (through a getitem)
                 penalty = -profile.comm_compute_overlap * min(entry) if entry else 0.0
                 if penalty > 0:  # the transfer and the compute beside it slowed each other
                     timeline.spans.append(Span(node.name, f"{label} (interference)", "wait",
