@@ -319,27 +319,22 @@ def _local(t):
 
 
 def _run(fn, params, x, backend=None, *, wrap=None, p2p_runs=None):
-    """One forward + backward of ``fn`` compiled (or eager); ``p2p_runs`` (a list): the
-    compiled step runs once more under the profiler and the P2P exchanges it started are
-    appended (the graphs' rewritten code really runs, not only the report's)."""
+    """One forward + backward of ``fn`` compiled (or eager); ``p2p_runs`` (a list): the P2P
+    exchanges the step started are appended (the graphs' rewritten code really runs, not
+    only the report's; compiling runs none)."""
+    from leancompile.runtime.p2p import exchanges_started
+
     torch._dynamo.reset()
     compiled = wrap(fn) if wrap else torch.compile(fn, backend=backend) if backend else fn
-
-    def step():
-        y = compiled(x)
-        (_local(y) if hasattr(y, "to_local") else y).square().sum().backward()
-        out = [_local(y).detach().clone(), x.grad.clone()] + \
-            [_local(p.grad).clone() for p in params]
-        x.grad = None
-        for p in params:
-            p.grad = None
-        return out
-
-    out = step()
+    started = exchanges_started()
+    y = compiled(x)
+    _local(y).square().sum().backward() if hasattr(y, "to_local") else y.square().sum().backward()
     if p2p_runs is not None:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            step()
-        p2p_runs.append(sum("p2p_start" in e.name for e in prof.events()))
+        p2p_runs.append(exchanges_started() - started)
+    out = [_local(y).detach().clone(), x.grad.clone()] + [_local(p.grad).clone() for p in params]
+    x.grad = None
+    for p in params:
+        p.grad = None
     return out
 
 

@@ -97,6 +97,7 @@ __all__ = [
     "P2PMismatchError",
     "PendingExchange",
     "group_rank_and_size",
+    "exchanges_started",
     "pending_exchanges",
     "probe",
     "start_exchange",
@@ -138,6 +139,16 @@ class _Posted:
 _table: dict[int, _Posted] = {}
 _table_lock = threading.Lock()
 _ids = itertools.count(1)
+
+
+_started = 0
+
+
+def exchanges_started() -> int:
+    """Exchanges ``p2p_start`` has posted in this process so far (a running total: the
+    difference around a call is how many P2P steps it ran)."""
+    with _table_lock:
+        return _started
 
 
 def pending_exchanges() -> int:
@@ -295,10 +306,12 @@ def _complete(posted: _Posted) -> Tensor:
            "str group_name) -> Tensor")
 def _p2p_start(send, recv_shape, peer_send, peer_recv, tag, group_name):
     data = send if peer_send >= 0 else None
+    global _started
     posted = _post(_DATA, data, send, recv_shape, peer_send, peer_recv, tag, group_name)
     with _table_lock:
         handle = next(_ids)
         _table[handle] = posted
+        _started += 1
     return torch.tensor(handle, dtype=torch.int64)
 
 
