@@ -101,14 +101,20 @@ class LeanGraphPass(_PassBase):
         # on the graph, not the code).
         self.run(gm, phase=_phase_of(graph, is_inference), recompile=False)
 
-    def run_previous(self, graph: fx.Graph, *, is_inference: bool) -> None:
-        """Run the pass that was installed before ours, the way Inductor would have."""
+    def _previous_passes(self) -> tuple:
+        """The pass(es) installed before ours: Inductor takes one or a list."""
         if self.previous is None:
-            return
-        if _INFERENCE_AWARE and isinstance(self.previous, _PassBase):
-            self.previous(graph, is_inference=is_inference)
-        else:
-            self.previous(graph)
+            return ()
+        return tuple(self.previous) if isinstance(self.previous, (list, tuple)) else \
+            (self.previous,)
+
+    def run_previous(self, graph: fx.Graph, *, is_inference: bool) -> None:
+        """Run the pass(es) installed before ours, the way Inductor would have."""
+        for previous in self._previous_passes():
+            if _INFERENCE_AWARE and isinstance(previous, _PassBase):
+                previous(graph, is_inference=is_inference)
+            else:
+                previous(graph)
 
     def run(self, gm: fx.GraphModule, *, phase: str, recompile: bool = True) -> GraphRecord:
         """The pipeline on ``gm``, recorded in the compile's report (``recompile``: as
@@ -129,10 +135,14 @@ class LeanGraphPass(_PassBase):
                 inst.note_compile(_compile_id())
         previous_uuid = None
         if self.previous is not None:
-            get_uuid = getattr(self.previous, "uuid", None)
-            previous_uuid = get_uuid() if callable(get_uuid) else None
-            if previous_uuid is None:
-                return None
+            uuids = []
+            for previous in self._previous_passes():
+                get_uuid = getattr(previous, "uuid", None)
+                uuids.append(get_uuid() if callable(get_uuid) else None)
+                if uuids[-1] is None:
+                    return None
+            previous_uuid = uuids[0] if not isinstance(self.previous, (list, tuple)) \
+                else uuids
         payload = {
             "leancompile": __version__,
             "passes": [(s.name, s.version) for s in PASSES],

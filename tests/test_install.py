@@ -52,6 +52,24 @@ def test_install_context_chains_and_restores(clean_inductor_pass, no_compile_cac
     assert inductor_config.post_grad_custom_pre_pass is user_pass
 
 
+def test_install_chains_a_list_of_passes(clean_inductor_pass, no_compile_cache):
+    """Inductor takes a list of custom passes: installed over one, ours runs each of them
+    first and its cache key covers theirs (one without a uuid: no key, as Inductor does)."""
+    first, second = CountingPass("a-v1"), CountingPass("b-v1")
+    inductor_config.post_grad_custom_pre_pass = [first, second]
+    model = mlp()
+    x = torch.randn(4, 16)
+    with leancompile.install() as installed:
+        assert_same_training_step(model, model, torch.compile(model), (x,))
+        assert len(first.graphs) == len(second.graphs) == 2
+        key = installed.graph_pass.uuid()
+        second._uuid = "b-v2"
+        assert key is not None and installed.graph_pass.uuid() != key
+        second._uuid = None
+        assert installed.graph_pass.uuid() is None
+    assert inductor_config.post_grad_custom_pre_pass == [first, second]
+
+
 def test_install_plain_call_and_uninstall(clean_inductor_pass, no_compile_cache):
     inductor_config.post_grad_custom_pre_pass = None
     installed = leancompile.install(disable=("canonicalize",))
