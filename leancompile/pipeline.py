@@ -131,7 +131,7 @@ class Pipeline:
         concrete = dataclasses.replace(plain, **extra,
                                        strict=self.options.strict and bool(extra))
         record = Pipeline(concrete).run(gm, phase=phase, graph_index=graph_index,
-                                        recompile=False)  # run() regenerates the code
+                                        recompile=False)  # as the outer run() says
         record.auto = {"device": device, "chosen": chosen, "predicted_s": predicted,
                        "sites": plan}
         log.info("leancompile overlap='auto' %s graph %d on %s: %s (%s)", phase, graph_index,

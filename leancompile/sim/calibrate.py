@@ -189,6 +189,7 @@ def calibrate_cpu_gloo(*, repeats: int = 5, workload: dict | None = None) -> Dev
     # timed in turns, three times.
     message = torch.randn(int((workload or {}).get("message") or large.numel()), generator=g)
     t_message = _mean(_median(lambda: exchange(message), repeats))
+
     def predicted(mkn):
         return h_over_p + 2 * math.prod(mkn) / peak
 
