@@ -49,12 +49,8 @@ def _worker(rank, world, init, out, cfg):
         steps[name] = _layer_step(layer, params, x, **options)
         steps[name]()
         reports[name] = leancompile.last_report()
-    # Calibrated at the schemes' own matmul shapes, activation size and message size.
-    loads = [workload(r) for r in reports.values()]
-    profile = calibrate_cpu_gloo(workload={
-        "matmuls": list(dict.fromkeys(s for load in loads for s in load["matmuls"])),
-        "activation": max(load["activation"] for load in loads),
-        "message": max(load["message"] for load in loads)})
+    # Calibrated at the schemes' own matmul shapes, activation size and largest message.
+    profile = calibrate_cpu_gloo(workload=workload(list(reports.values())))
     times = {name: [] for name in SCHEMES}
     for _ in range(cfg["rounds"]):  # interleaved: a slower spell of the machine hits all
         for name, step in steps.items():

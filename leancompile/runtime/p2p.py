@@ -77,7 +77,6 @@ autograd formula was registered".
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 from collections.abc import Sequence
@@ -138,10 +137,7 @@ class _Posted:
 
 _table: dict[int, _Posted] = {}
 _table_lock = threading.Lock()
-_ids = itertools.count(1)
-
-
-_started = 0
+_started = 0  # exchanges posted so far; the last one's number is its handle
 
 
 def exchanges_started() -> int:
@@ -305,13 +301,13 @@ def _complete(posted: _Posted) -> Tensor:
     schema="(Tensor send, SymInt[] recv_shape, int peer_send, int peer_recv, int tag, "
            "str group_name) -> Tensor")
 def _p2p_start(send, recv_shape, peer_send, peer_recv, tag, group_name):
-    data = send if peer_send >= 0 else None
     global _started
+    data = send if peer_send >= 0 else None
     posted = _post(_DATA, data, send, recv_shape, peer_send, peer_recv, tag, group_name)
     with _table_lock:
-        handle = next(_ids)
-        _table[handle] = posted
         _started += 1
+        handle = _started
+        _table[handle] = posted
     return torch.tensor(handle, dtype=torch.int64)
 
 

@@ -73,7 +73,8 @@ def _fit(x1, t1, x2, t2) -> tuple[float, float]:
 
 
 def workload(graphs_or_report) -> dict:
-    """What of a workload the calibration should time: ``{"matmuls": [(m, k, n), ...],
+    """What of a workload (graphs, a report, or a list of them: their union) the calibration
+    should time: ``{"matmuls": [(m, k, n), ...],
     "activation": numel, "message": numel}``: the fp32 ``mm``/``addmm`` shapes of the graphs
     (each once), the largest fp32 output of their other compute ops (pointwise ops, ``cat``,
     ...) and their largest message of one hop in elements (a P2P exchange's send, a ring
@@ -130,13 +131,15 @@ def calibrate_cpu_gloo(*, repeats: int = 5, workload: dict | None = None) -> Dev
     # else a 768^3 one).
     a, b = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
     f_small, t_small_mm = 2 * 128 ** 3, _mean(_median(lambda: a @ b, repeats))
-    large = [s for s in shapes if 2 * math.prod(s) >= 4 * f_small] or [(768, 768, 768)]
+    big_mms = [s for s in shapes if 2 * math.prod(s) >= 4 * f_small]
+    large_label = f"the workload's {big_mms}" if big_mms else "768^3"
+    big_mms = big_mms or [(768, 768, 768)]
     f_large = t_large_mm = 0.0
-    for m, k, n in large:
+    for m, k, n in big_mms:
         a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
         f_large += 2 * m * k * n
         t_large_mm += _mean(_median(lambda: a @ b, repeats))
-    f_large, t_large_mm = f_large / len(large), t_large_mm / len(large)
+    f_large, t_large_mm = f_large / len(big_mms), t_large_mm / len(big_mms)
     h_over_p, inv_p = _fit(f_small, t_small_mm, f_large, t_large_mm)  # t0, 1 / P
     # (a large point no slower than the small one: the rate of the large point, no overhead)
     peak = 1 / inv_p if inv_p > 1e-20 else f_large / t_large_mm
@@ -223,9 +226,8 @@ def calibrate_cpu_gloo(*, repeats: int = 5, workload: dict | None = None) -> Dev
         memory_bytes=_memory_bytes(),
         kernel_overhead=overhead, matmul_efficiency=1.0, matmul_overhead=h_over_p,
         comm_compute_overlap=min(max(overlap, -1.0), 1.0), symmetric_memory=False,
-        sources={"flops": f"measured: fp32 matmuls of 128^3 and "
-                          f"{'the workload' + chr(39) + 's ' + str(shapes) if shapes else '768^3'}"
-                          f" with {threads} thread(s) per rank, {world} ranks on {cpus} CPUs",
+        sources={"flops": f"measured: fp32 matmuls of 128^3 and {large_label} with "
+                          f"{threads} thread(s) per rank, {world} ranks on {cpus} CPUs",
                  "memory_bandwidth": f"measured: the exact GELU as eager pointwise ops on "
                                      f"{numel} fp32 elements",
                  "link_bandwidth": "measured: leancompile P2P exchanges of 1 KiB and 4 MiB "
