@@ -3,7 +3,6 @@ helpers that print graph code and count ops."""
 
 from __future__ import annotations
 
-import copy
 import difflib
 import html
 import json
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch.fx as fx
 
 from .passes.result import PassResult
+from .passes.structure import Structure
 
 __all__ = ["GraphRecord", "GraphSnapshot", "Report", "last_report", "record_report", "graph_code",
            "op_counts", "op_count_diff"]
@@ -29,32 +29,36 @@ def graph_code(gm: fx.GraphModule) -> str:
 
 
 class GraphSnapshot:
-    """A graph as it was at one moment of the pipeline: a structural copy taken at compile time
-    (cheap: nodes and their metadata, shared), its code printed only when someone reads it
-    (``str(snapshot)``; the first read caches it). Printing code is most of what a report costs,
-    and most compiles never show their report."""
+    """A graph as it was at one moment of the pipeline: its structure kept at compile time
+    (``passes.structure.Structure``: a tuple per node, metadata shared), rebuilt as a graph and
+    printed as code only when someone reads it (``str(snapshot)``, ``snapshot.graph``; the
+    first read caches it). Copying and printing graphs was most of what a report cost, and
+    most compiles never show their report."""
 
-    __slots__ = ("_graph", "_code")
+    __slots__ = ("_structure", "_graph", "_code")
 
     def __init__(self, gm: fx.GraphModule):
-        self._graph: fx.Graph | None = copy.deepcopy(gm.graph)
+        self._structure: Structure | None = Structure(gm.graph)
+        self._graph: fx.Graph | None = None
         self._code: str | None = None
 
     @classmethod
     def of_code(cls, code: str) -> "GraphSnapshot":
         snap = cls.__new__(cls)
-        snap._graph, snap._code = None, code
+        snap._structure, snap._graph, snap._code = None, None, code
         return snap
 
     def __str__(self) -> str:
         if self._code is None:
-            self._code = _graph_code(self._graph)
+            self._code = _graph_code(self.graph)
         return self._code
 
     @property
     def graph(self) -> fx.Graph | None:
         """The graph itself (None for a snapshot made from code only, e.g. a loaded report):
-        what ``leancompile.sim.exposure`` simulates."""
+        what ``leancompile.sim.simulate`` simulates."""
+        if self._graph is None and self._structure is not None:
+            self._graph = self._structure.graph()
         return self._graph
 
 

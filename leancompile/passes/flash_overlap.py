@@ -68,6 +68,7 @@ from .flash_overlap_match import (_SAME_LAYOUT, AG_SITE, RS_SITE, AllGatherMatch
                                   find_all_gather_matches,
                                   find_reduce_scatter_matches, is_backward_graph)
 from .result import PassResult, recompile
+from .structure import Structure
 
 __all__ = ["flash_overlap_pass", "rewrite_all_gather", "rewrite_reduce_scatter", "NAME",
            "VERSION"]
@@ -128,9 +129,31 @@ def _trace(fn, inputs: list) -> fx.Graph:
             graph = None
     if graph is None:
         graph = _record(fn, values, values, fake_mode)
-    remove_noop_ops(graph)
+    if _has_noop_candidates(graph):
+        remove_noop_ops(graph)
     graph.eliminate_dead_code()
     return graph
+
+
+def _has_noop_candidates(graph: fx.Graph) -> bool:
+    """Whether ``remove_noop_ops`` could remove a node of ``graph``: one of the ops it knows
+    whose result has its source's sizes, strides and dtype (its first test of every node;
+    checked here on the recorded values, at a tenth of its cost, since most schedules have
+    none)."""
+    from torch._inductor.fx_passes.post_grad import noop_registry, same_meta
+
+    for node in graph.nodes:
+        entry = noop_registry.get(node.target) if node.op == "call_function" else None
+        if entry is None:
+            continue
+        _, src_index = entry
+        try:
+            src = node.args[src_index] if isinstance(src_index, int) else src_index(node.args)
+        except (IndexError, TypeError):
+            return True  # let remove_noop_ops decide
+        if isinstance(src, fx.Node) and same_meta(node, src):
+            return True
+    return False
 
 
 def _record(fn, values: list, args: list, context, device_map=None) -> fx.Graph:
@@ -239,6 +262,12 @@ class _Recorder(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and id(out) in self.nodes:
+            # An op that hands back a tensor it was given (``to`` a dtype the tensor has, as
+            # the opmath casts of Inductor's mm decomposition do) adds nothing to the graph.
+            if func._schema.is_mutable:
+                raise _Unsupported(f"the schedule mutates a tensor in place ({func})")
+            return out
         node = self.graph.call_function(func, self.node_of_tree(args), self.node_of_tree(kwargs))
         node.meta["val"] = out
         if isinstance(out, torch.Tensor):
@@ -804,7 +833,7 @@ def flash_overlap_pass(gm: fx.GraphModule, options=None) -> PassResult:
     if overlap is None:
         return PassResult(name=NAME)
     raise_errors = on_error(options) == "raise"
-    snapshot = None if raise_errors else _copy_graph(gm.graph)
+    snapshot = None if raise_errors else Structure(gm.graph)
     failed: dict[str, str] = {}
     while True:
         result = PassResult(name=NAME)
@@ -814,7 +843,8 @@ def flash_overlap_pass(gm: fx.GraphModule, options=None) -> PassResult:
             if raise_errors or snapshot is None:
                 raise
             failed[err.site] = err.message
-            _restore_graph(gm.graph, snapshot)
+            snapshot.restore(gm.graph)
+            recompile(gm)
             continue
         break
     for site, message in failed.items():
@@ -1064,29 +1094,3 @@ def _insert_probes(graph: fx.Graph, result: PassResult, site_options: dict) -> N
         result.skipped[i] = dataclasses.replace(
             site, reason=site.reason + "; a probe in front of the collective checks that "
             "every rank left it in place")
-
-
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
-    """A copy of ``graph`` with the same node names and metadata."""
-    copy = fx.Graph()
-    out = copy.graph_copy(graph, {})
-    old_output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    new_output = copy.output(out, type_expr=old_output.type)
-    new_output.meta = dict(old_output.meta)
-    return copy
-
-
-def _restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
-    """Put ``snapshot``'s nodes back into ``graph`` in place (the same Graph object, which
-    Inductor holds), with their original names."""
-    from torch.fx.graph import _Namespace
-
-    for node in reversed(list(graph.nodes)):
-        graph.erase_node(node)
-    graph._graph_namespace = _Namespace()
-    out = graph.graph_copy(snapshot, {})
-    old_output = next(n for n in reversed(snapshot.nodes) if n.op == "output")
-    new_output = graph.output(out, type_expr=old_output.type)
-    new_output.meta = dict(old_output.meta)
-    if graph.owning_module is not None:
-        recompile(graph.owning_module)

@@ -245,9 +245,9 @@ def _dim(name: str, dim: int, ndim: int) -> int:
 
 def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     """x (..., K) @ w (K, N) (+ b) as the mm/addmm of a post-grad graph."""
-    x2 = x.reshape(-1, x.size(-1))
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.size(-1))
     y = torch.mm(x2, w) if b is None else torch.addmm(b, x2, w)
-    return y.reshape(*x.shape[:-1], w.size(1))
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.size(1))
 
 
 def _cat(parts: list[Tensor], dim: int) -> Tensor:
