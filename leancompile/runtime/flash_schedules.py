@@ -449,7 +449,8 @@ def _flash_ag(shard: Tensor, d: int, m: int, group_name: str, compute, *, out_di
 
     if n == 1:
         return shard if return_gathered else None, run(shard, (0, 0))
-    data = {(rank, c): shard.narrow(d, c * length, length) for c in range(m)}
+    data = {(rank, c): shard.narrow(d, c * length, length) if m > 1 else shard  # whole: as is
+            for c in range(m)}
     shape = tuple(data[(rank, 0)].shape)
     pending = {}  # tag -> (exchange, outputs computed since it was posted)
     outs = {}
