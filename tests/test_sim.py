@@ -22,7 +22,7 @@ TOY = DeviceProfile(name="toy", flops={"float32": 1e12}, memory_bandwidth=1e11,
                     kernel_overhead=1e-6, matmul_efficiency=0.5, matmul_overhead=2e-6)
 
 
-def test_node_costs_are_the_roofline_and_alpha_beta_formulas():
+def test_node_costs_are_the_roofline_and_alpha_beta_formulas(tmp_path):
     def f(x, w):
         g = funcol.all_gather_tensor(x, 0, "0")
         return torch.relu(g @ w)
@@ -45,6 +45,16 @@ def test_node_costs_are_the_roofline_and_alpha_beta_formulas():
     # relu: memory bound, read + write of 4 MiB
     assert costs["relu"][1] == pytest.approx(2 * 1024 * 1024 * 4 / 1e11 + 1e-6)
     assert costs["wait_tensor"][0] == "wait"
+    # A collective's ring step may have its own fixed time (gloo's ring against our P2P
+    # exchange); a P2P message keeps link_latency.
+    ring = dataclasses.replace(TOY, collective_latency=4e-5)
+    assert ring.ring_step_latency == 4e-5 and TOY.ring_step_latency == TOY.link_latency
+    gather_node = next(n for n in gm.graph.nodes if n.name == "all_gather_into_tensor")
+    assert node_cost(gather_node, ring)[1] == pytest.approx(3 * (4e-5 + shard / 1e10))
+    (tmp_path / "ring.json").write_text(ring.to_json())
+    assert DeviceProfile.from_json(tmp_path / "ring.json").collective_latency == 4e-5
+    with pytest.raises(ValueError, match="latencies must be >= 0"):
+        dataclasses.replace(TOY, collective_latency=-1e-6)
     # Sequential: the matmul waits for the whole gather, which is all exposed.
     gather = costs["all_gather_into_tensor"][1]
     assert timeline.exposed_comm_s == pytest.approx(gather)

@@ -266,7 +266,9 @@ def _validated(ns) -> int:
               f"memory {prof['memory_bandwidth'] / 1e9:.1f} GB/s, P2P "
               f"{prof['link_bandwidth'] / 1e9:.2f} GB/s + {prof['link_latency'] * 1e6:.0f} us, "
               f"all-gather {prof['collective_bandwidth'] / 1e9:.2f} GB/s, reduce-scatter "
-              f"{prof['reduce_bandwidth'] / 1e9:.2f} GB/s, transfer/compute "
+              f"{prof['reduce_bandwidth'] / 1e9:.2f} GB/s, + "
+              f"{(prof.get('collective_latency') or prof['link_latency']) * 1e6:.0f} us a ring "
+              "step, transfer/compute "
               f"overlap {prof['comm_compute_overlap']:.2f}")
         print(f"  {'scheme':12s} {'simulated ms':>13s} {'measured ms':>12s} {'error':>7s}")
         for name, e in entry["schemes"].items():

@@ -1,8 +1,8 @@
 """``cpu-gloo``: a device profile of this machine, measured by micro-benchmarks inside the ranks
 of a gloo process group (each rank with the threads it will run with).
 
-Measured (ranks in lockstep, each sample long enough that ranks sharing cores share them; the
-median of samples; every number the mean over the ranks):
+Measured (ranks in lockstep, each sample long enough that ranks sharing cores share them and
+timed until the slowest rank is done; the median of samples):
 
 - matmul time at two sizes, fitted to ``t(F) = t0 + F / P`` (``flops["float32"] = P``,
   ``matmul_overhead = t0``, ``matmul_efficiency = 1``); given the workload's own matmul
@@ -18,7 +18,10 @@ median of samples; every number the mean over the ranks):
 - the P2P exchange of ``runtime/p2p.py`` (a send to rank r+1 and a receive from r-1 at once) at
   two sizes: latency and bandwidth;
 - an all-gather at two sizes: the bus bandwidth of ring collectives; a reduce-scatter at two
-  sizes: that of reductions (gloo sums on the cores);
+  sizes: that of reductions (gloo sums on the cores); the fixed time of one ring step, the mean
+  of the two fits' (``collective_latency``: gloo's own ring step costs less than our P2P
+  exchange's fixed time, half to nine tenths of it here, and a sliced schedule pays it once
+  per slice);
 - how much of an exchange runs beside a matmul about as long (the workload's largest message
   and its matmul nearest in time, when given): ``comm_compute_overlap`` =
   ``(t_matmul + t_exchange - t_both) / min(t_matmul, t_exchange)``, negative (down to -1) where
@@ -44,7 +47,13 @@ __all__ = ["calibrate_cpu_gloo", "workload"]
 def _median(fn, repeats: int) -> float:
     """Seconds per call of ``fn``, run by every rank at once: each sample repeats it for at
     least 20 ms (so that ranks sharing cores share them during the sample, as they do in a
-    step); the median of ``repeats`` samples."""
+    step) and lasts until the slowest rank is done; the median of ``repeats`` samples (the
+    same number on every rank).
+
+    The slowest rank, not the mean over ranks: ranks that finish early leave their cores to the
+    others, so a mean of each rank's own time measured the ops faster than they run in a step,
+    where every rank works until the end (and ``--validate`` times the slowest rank). With 4
+    ranks on 2 cores the mean made the simulator under-predict the layer by 20-32%."""
     fn()
     start = time.perf_counter()
     fn()
@@ -56,7 +65,9 @@ def _median(fn, repeats: int) -> float:
         start = time.perf_counter()
         for _ in range(calls):
             fn()
-        samples.append((time.perf_counter() - start) / calls)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # until the slowest rank is done
+        samples.append(elapsed.item() / calls)
     return sorted(samples)[len(samples) // 2]
 
 
@@ -130,7 +141,7 @@ def calibrate_cpu_gloo(*, repeats: int = 5, workload: dict | None = None) -> Dev
     # workload's shapes of at least 4x its FLOPs, the mean of their FLOPs and of their times;
     # else a 768^3 one).
     a, b = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
-    f_small, t_small_mm = 2 * 128 ** 3, _mean(_median(lambda: a @ b, repeats))
+    f_small, t_small_mm = 2 * 128 ** 3, _median(lambda: a @ b, repeats)
     big_mms = [s for s in shapes if 2 * math.prod(s) >= 4 * f_small]
     large_label = f"the workload's {big_mms}" if big_mms else "768^3"
     big_mms = big_mms or [(768, 768, 768)]
@@ -138,7 +149,7 @@ def calibrate_cpu_gloo(*, repeats: int = 5, workload: dict | None = None) -> Dev
     for m, k, n in big_mms:
         a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
         f_large += 2 * m * k * n
-        t_large_mm += _mean(_median(lambda: a @ b, repeats))
+        t_large_mm += _median(lambda: a @ b, repeats)
     f_large, t_large_mm = f_large / len(big_mms), t_large_mm / len(big_mms)
     h_over_p, inv_p = _fit(f_small, t_small_mm, f_large, t_large_mm)  # t0, 1 / P
     # (a large point no slower than the small one: the rate of the large point, no overhead)
@@ -154,27 +165,27 @@ def calibrate_cpu_gloo(*, repeats: int = 5, workload: dict | None = None) -> Dev
         return h * (e + 1)
 
     moved = (2 + 2 + 2 + 2 + 3) * numel * 4  # mul, mul, erf, add, mul: inputs + outputs
-    bandwidth = moved / _mean(_median(gelu, repeats))
+    bandwidth = moved / _median(gelu, repeats)
     one = torch.ones(1)
-    overhead = _mean(_median(lambda: one.add(one), 50))
+    overhead = _median(lambda: one.add(one), 50)
 
     def exchange(t):
         return wait_exchange(start_exchange(t, t.shape, (rank + 1) % world,
                                             (rank - 1) % world, group))
 
     small, large = torch.randn(256, generator=g), torch.randn(2**20, generator=g)
-    t_small = _mean(_median(lambda: exchange(small), repeats))
-    t_large = _mean(_median(lambda: exchange(large), repeats))
+    t_small = _median(lambda: exchange(small), repeats)
+    t_large = _median(lambda: exchange(large), repeats)
     latency, per_byte = _fit(small.numel() * 4, t_small, large.numel() * 4, t_large)
 
     def gather(t):
         out = t.new_empty(world * t.numel())
         dist.all_gather_into_tensor(out, t)
 
-    g_small = _mean(_median(lambda: gather(small), repeats))
-    g_large = _mean(_median(lambda: gather(large), repeats))
-    _, gather_per_byte = _fit(small.numel() * 4, g_small / (world - 1),
-                              large.numel() * 4, g_large / (world - 1))
+    g_small = _median(lambda: gather(small), repeats)
+    g_large = _median(lambda: gather(large), repeats)
+    gather_step, gather_per_byte = _fit(small.numel() * 4, g_small / (world - 1),
+                                        large.numel() * 4, g_large / (world - 1))
 
     def reduce_scatter(t):
         out = t.new_empty(t.numel() // world)
@@ -182,16 +193,16 @@ def calibrate_cpu_gloo(*, repeats: int = 5, workload: dict | None = None) -> Dev
 
     wide_small = torch.randn(world * small.numel(), generator=g)
     wide_large = torch.randn(world * large.numel(), generator=g)
-    r_small = _mean(_median(lambda: reduce_scatter(wide_small), repeats))
-    r_large = _mean(_median(lambda: reduce_scatter(wide_large), repeats))
-    _, reduce_per_byte = _fit(small.numel() * 4, r_small / (world - 1),
-                              large.numel() * 4, r_large / (world - 1))
+    r_small = _median(lambda: reduce_scatter(wide_small), repeats)
+    r_large = _median(lambda: reduce_scatter(wide_large), repeats)
+    reduce_step, reduce_per_byte = _fit(small.numel() * 4, r_small / (world - 1),
+                                        large.numel() * 4, r_large / (world - 1))
 
     # How an exchange and a matmul about as long fare side by side: the workload's largest
     # message and its matmul nearest to it in time (else 4 MiB and a square one); the three
     # timed in turns, three times.
     message = torch.randn(int((workload or {}).get("message") or large.numel()), generator=g)
-    t_message = _mean(_median(lambda: exchange(message), repeats))
+    t_message = _median(lambda: exchange(message), repeats)
 
     def predicted(mkn):
         return h_over_p + 2 * math.prod(mkn) / peak
@@ -212,9 +223,9 @@ def calibrate_cpu_gloo(*, repeats: int = 5, workload: dict | None = None) -> Dev
 
     estimates = []
     for _ in range(3):  # on oversubscribed cores one estimate moves by +-0.3: their median
-        t_both = _mean(_median(ring, repeats)) / (world - 1)
-        t_alone = _mean(_median(lambda: exchange(message), repeats))
-        t_matmul = _mean(_median(lambda: a @ b, repeats))
+        t_both = _median(ring, repeats) / (world - 1)
+        t_alone = _median(lambda: exchange(message), repeats)
+        t_matmul = _median(lambda: a @ b, repeats)
         estimates.append((t_matmul + t_alone - t_both) / min(t_matmul, t_alone))
     overlap = sorted(estimates)[1]
     threads = torch.get_num_threads()
@@ -223,6 +234,7 @@ def calibrate_cpu_gloo(*, repeats: int = 5, workload: dict | None = None) -> Dev
         name="cpu-gloo", flops={"float32": peak}, memory_bandwidth=bandwidth,
         link_bandwidth=1 / per_byte, link_latency=latency,
         collective_bandwidth=1 / gather_per_byte, reduce_bandwidth=1 / reduce_per_byte,
+        collective_latency=(gather_step + reduce_step) / 2,
         memory_bytes=_memory_bytes(),
         kernel_overhead=overhead, matmul_efficiency=1.0, matmul_overhead=h_over_p,
         comm_compute_overlap=min(max(overlap, -1.0), 1.0), symmetric_memory=False,
@@ -236,6 +248,8 @@ def calibrate_cpu_gloo(*, repeats: int = 5, workload: dict | None = None) -> Dev
                                          "and 4 MiB shards",
                  "reduce_bandwidth": "measured: gloo reduce_scatter_tensor to 1 KiB and "
                                      "4 MiB parts",
+                 "collective_latency": "measured: the fixed time per ring step of the "
+                                       "all-gathers and reduce-scatters above (their mean)",
                  "comm_compute_overlap": f"measured: a {message.numel() * 4} B exchange "
                                          f"beside a {m}x{k}x{n} matmul, apart and together"},
         notes=f"calibrated in {world} gloo ranks on this machine")

@@ -21,8 +21,9 @@ What the numbers mean (the simulator's model, ``leancompile/sim/simulate.py``):
   ``link_latency + bytes / link_bandwidth`` (per direction: a send and a receive at once are
   one hop). ``collective_bandwidth``: the bus bandwidth a ring collective reaches (defaults to
   ``link_bandwidth``); an all-gather of N shards of B bytes takes
-  ``(N - 1) * (link_latency + B / collective_bandwidth)``; reduce-scatters and all-reduces use
-  ``reduce_bandwidth`` (defaults to ``collective_bandwidth``).
+  ``(N - 1) * (collective_latency + B / collective_bandwidth)``; reduce-scatters and
+  all-reduces use ``reduce_bandwidth`` (defaults to ``collective_bandwidth``);
+  ``collective_latency`` (the alpha of one ring step) defaults to ``link_latency``.
 - ``symmetric_memory``: whether peers can read each other's memory directly (NVLink/NVSwitch
   within one host), which PyTorch's async-TP needs.
 """
@@ -59,6 +60,10 @@ class DeviceProfile:
     """Device memory capacity."""
     collective_bandwidth: float | None = None
     """Bus bytes/s of ring collectives (None: ``link_bandwidth``)."""
+    collective_latency: float | None = None
+    """Seconds per ring step of a collective (None: ``link_latency``). Set where a collective's
+    steps cost another fixed time than one message: gloo's own ring against leancompile's P2P
+    exchange, which also writes and checks a header in Python."""
     reduce_bandwidth: float | None = None
     """Bus bytes/s of the collectives that also add (reduce-scatter, all-reduce; None:
     ``collective_bandwidth``). NCCL reaches about the same as for gathers; gloo on a CPU sums
@@ -98,8 +103,13 @@ class DeviceProfile:
         if not -1 <= self.comm_compute_overlap <= 1:
             raise ValueError(f"{self.name}: comm_compute_overlap={self.comm_compute_overlap} "
                              "must be in [-1, 1]")
-        if self.link_latency < 0 or self.kernel_overhead < 0:
+        if self.link_latency < 0 or self.kernel_overhead < 0 or \
+                (self.collective_latency or 0) < 0:
             raise ValueError(f"{self.name}: latencies must be >= 0")
+
+    @property
+    def ring_step_latency(self) -> float:
+        return self.link_latency if self.collective_latency is None else self.collective_latency
 
     @property
     def bus_bandwidth(self) -> float:

@@ -211,7 +211,7 @@ def node_cost(node: fx.Node, device: DeviceProfile, *, world_size: int | None = 
     if name in _COLLECTIVES:
         n = _group_size(node) or world_size or 1
         in_bytes = sum(map(_nbytes, ins))
-        bw, alpha = device.bus_bandwidth, device.link_latency
+        bw, alpha = device.bus_bandwidth, device.ring_step_latency
         if name.startswith("all_gather"):
             t = (n - 1) * (alpha + in_bytes / bw)
         elif name == "all_to_all_single":
