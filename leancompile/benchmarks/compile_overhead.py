@@ -22,9 +22,10 @@ compile with our tracing: ``aot_eager_decomp_partition`` for ``aot_eager``, sinc
 pass disabled: the passes and what their rewrite makes the compiler do) and ``pipeline`` (the
 pipeline's own wall time, from the report's ``GraphRecord.seconds``: passes, snapshots, op
 counts, against the rest of the same compile: ``pipeline / (ours - pipeline)`` per round, the
-median, and ``(min)`` from the minima of both; the JSON has every round's). The last is the compile-time overhead of the pass
-pipeline, held to 10%; a rewritten graph costs Inductor more to compile (more nodes and
-kernels), which ``rewrite`` shows and the pipeline cannot avoid without rewriting less.
+median, and ``(min)`` from the minima of both; the JSON has every round's). The last is the
+compile-time overhead of the pass pipeline, held to 10%; a rewritten graph costs Inductor more
+to compile (more nodes and kernels), which ``rewrite`` shows and the pipeline cannot avoid
+without rewriting less.
 (``aot_eager_decomp_partition`` is not always the same compile as ours with the passes off:
 on the TP+SP block it took 0.88 s where ours took 0.69 s, so the share is taken against our
 own compile.)
@@ -216,11 +217,12 @@ def main(argv=None) -> int:
                   f"{r['pipeline_share_min'] * 100:6.1f}%")
     print("pipeline: the time our pipeline itself takes (every pass, the report's snapshots "
           "and op counts; the report's GraphRecord.seconds) / the rest of the same compile, "
-          "median of the rounds, (min) from the minima: what the <= 10% target of leancompile's "
-          "compile overhead is about. vs plain: ours / the plain torch.compile backend - 1; vs same: ours / "
-          "the plain compile with our tracing - 1 (for aot_eager, aot_eager_decomp_partition: "
-          "ours prepares the graphs Inductor would see, Inductor's decompositions, so that "
-          "aot_eager runs what Inductor compiles; plain aot_eager does not decompose); "
+          "median of the rounds, (min) from the minima: what the <= 10% target of "
+          "leancompile's compile overhead is about. vs plain: ours / the plain torch.compile "
+          "backend - 1; vs same: ours / the plain compile with our tracing - 1 (for "
+          "aot_eager, aot_eager_decomp_partition: ours prepares the graphs Inductor would "
+          "see, Inductor's decompositions, so that aot_eager runs what Inductor compiles; "
+          "plain aot_eager does not decompose); "
           "rewrite: ours / ours with every pass disabled - 1, the pipeline and what a "
           "rewritten graph makes the compiler do (Inductor compiles every slice and transfer "
           "of a decomposed collective: more nodes, more kernels).")
