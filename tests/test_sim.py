@@ -349,6 +349,27 @@ def test_trace_grpo_writes_chrome_traces_and_a_png(tmp_path):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_trace_overlap_writes_chrome_traces_and_a_png(tmp_path):
+    """``leancompile trace overlap`` at a tiny size: rank 0's profiled step holds the P2P steps
+    and matmuls of the flash schedule; the simulated traces (the same graphs on ``cpu-gloo``
+    calibrated in the ranks, the paper's case on H200) hold compute and communication spans;
+    the PNG is written."""
+    from leancompile.benchmarks.trace import trace_overlap
+
+    measured, simulated, paper, png = trace_overlap(tmp_path, seq=64, dim=16, hidden=32)
+    names = {e["name"] for e in json.loads(measured.read_text())["traceEvents"]
+             if e.get("ph") == "X"}
+    assert {"leancompile::p2p_start", "leancompile::p2p_wait", "aten::mm"} <= names, names
+    for path in (simulated, paper):
+        events = json.loads(path.read_text())["traceEvents"]
+        spans = [e for e in events if e.get("ph") == "X"]
+        assert {"compute", "comm"} <= {e["cat"] for e in spans}
+        assert all(e["dur"] >= 0 for e in spans)
+        assert any("p2p_start" in e["name"] for e in spans)
+    assert paper.name == "overlap_h200.json"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_exposure_per_collective_before_and_after_the_passes():
     """``leancompile.sim.exposure(report, device)``: each collective's predicted exposed time
     in the graphs before our passes and in the rewritten ones (the P2P steps carry the site
