@@ -45,7 +45,7 @@ import time
 
 import torch
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "verdict"]
 
 
 def _flux_step():
@@ -226,7 +226,22 @@ def main(argv=None) -> int:
           "rewrite: ours / ours with every pass disabled - 1, the pipeline and what a "
           "rewritten graph makes the compiler do (Inductor compiles every slice and transfer "
           "of a decomposed collective: more nodes, more kernels).")
+    print(verdict(report))
     return 0
+
+
+TARGET = 0.10
+"""The pass pipeline's own compile-time overhead (``pipeline_share``) it is held to."""
+
+
+def verdict(report: dict) -> str:
+    """One line: the largest median pipeline share of ``measure()``'s report, and whether it
+    is within ``TARGET``."""
+    share, model, compiler = max((r["pipeline_share"], model, compiler)
+                                 for model, by_compiler in report.items()
+                                 for compiler, r in by_compiler.items())
+    return (f"pass pipeline's own overhead: at most {share * 100:.1f}% ({model}, {compiler}), "
+            f"{'within' if share <= TARGET else 'over'} the {TARGET:.0%} target")
 
 
 if __name__ == "__main__":
