@@ -281,8 +281,9 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def bind_result(self, func, tensor: torch.Tensor, node: fx.Node) -> None:
-        """An op that returns one of its inputs as it is (``to`` a dtype it already has) leaves
-        that tensor bound to the node that made it; the schedules mutate nothing."""
+        """Bind an output of ``func`` (an item of a tuple output: a whole output that is one of
+        the inputs as it is never reaches here) to ``node``; an item that is one of the inputs
+        stays bound to the node that made it; the schedules mutate nothing."""
         if id(tensor) not in self.nodes:
             self.bind(tensor, node)
         elif func._schema.is_mutable:

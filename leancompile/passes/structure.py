@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 
 import torch.fx as fx
-from torch.fx.node import map_arg
+from torch.fx.node import map_aggregate, map_arg
 
 __all__ = ["Structure"]
 
@@ -49,9 +49,6 @@ class Structure:
         self._codegen = graph._codegen  # how the code is printed: copied when rebuilt
         self._tracer_cls = getattr(graph, "_tracer_cls", None)
 
-    def __len__(self) -> int:
-        return len(self._nodes)
-
     def graph(self) -> fx.Graph:
         """A new graph with these nodes, names and metadata."""
         graph = fx.Graph(tracer_cls=self._tracer_cls)
@@ -76,27 +73,11 @@ class Structure:
             return made[ref.name] if isinstance(ref, _Ref) else ref
 
         for name, op, target, args, kwargs, type_expr, meta in self._nodes:
-            node = graph.create_node(op, target, _map_refs(args, node_of),
-                                     _map_refs(kwargs, node_of), name=name, type_expr=type_expr)
+            node = graph.create_node(op, target, map_aggregate(args, node_of),
+                                     map_aggregate(kwargs, node_of), name=name,
+                                     type_expr=type_expr)
             if node.name != name:
                 raise AssertionError(f"rebuilding a graph renamed {name} to {node.name}")
             node.meta = dict(meta)
             made[name] = node
 
-
-def _map_refs(value, fn):
-    """``value`` with every ``_Ref`` in its lists, tuples, dicts and slices replaced by
-    ``fn(ref)`` (``map_arg`` only maps nodes)."""
-    if isinstance(value, _Ref):
-        return fn(value)
-    if isinstance(value, tuple):
-        items = tuple(_map_refs(v, fn) for v in value)
-        return type(value)(*items) if hasattr(value, "_fields") else items
-    if isinstance(value, list):
-        return [_map_refs(v, fn) for v in value]
-    if isinstance(value, dict):
-        return {k: _map_refs(v, fn) for k, v in value.items()}
-    if isinstance(value, slice):
-        return slice(_map_refs(value.start, fn), _map_refs(value.stop, fn),
-                     _map_refs(value.step, fn))
-    return value
