@@ -163,7 +163,8 @@ class StepStats:
     peak_kept_bytes: int = 0
     """Activation bytes kept at the peak (storages not shared with inputs or parameters)."""
     peak_buffer_bytes: int = 0
-    """Bytes of per-row gradient buffers at the peak (``reweight``)."""
+    """Bytes of per-row gradient buffers at the peak (``reweight``), with the corrected
+    full-size gradients held back for a later reduction (``defer_reductions``)."""
     reweight_backwards: int = 0
     """Backwards run in the rollout for per-row gradients (one per vectorised chunk of rows)."""
     reweight_rows_per_backward: int = 0
@@ -337,6 +338,8 @@ class _State:
         self.deferred: dict = {}
         """``defer_reductions``: id(parameter) -> (parameter, summed full-size gradient); kept
         across rollouts and updates until ``take_deferred_grads()``."""
+        self.held_bytes = 0
+        """Bytes of the ``deferred`` gradients."""
         self.sample_blocks: dict = {}
         """Reweight with ``samples``: (samples, output) -> {parameter source: [len(samples),
         *shape] block}, whose slices are those samples' ``sample_grads``."""
@@ -356,9 +359,13 @@ class _State:
             self.stats.peak_kept_bytes = max(self.stats.peak_kept_bytes, self.kept_bytes)
         else:
             self.buffer_bytes += kept.nbytes
-            self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes, self.buffer_bytes)
+            self.note_peak()
         self.stats.kept[kept.mode] += 1
         self.stats.kept_rows += len(kept.rows)
+
+    def note_peak(self) -> None:
+        self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes,
+                                           self.buffer_bytes + self.held_bytes)
 
     def release(self, kept: _Kept) -> None:
         """Forget ``kept`` (the backward closures of update calls may still hold its tensors
@@ -1192,6 +1199,9 @@ class _GraphRuntime:
                     held = state.deferred.get(id(args[i]))
                     state.deferred[id(args[i])] = (args[i], grad if held is None
                                                    else held[1] + grad)
+                    if held is None:
+                        state.held_bytes += grad.numel() * grad.element_size()
+                        state.note_peak()
             zero = self.step.config.zero_grads
             return [total[s] if s in total else torch.zeros_like(args[i]) if zero else None
                     for s, i in zip(sources, trainable)]
@@ -1555,6 +1565,7 @@ class LeanStep:
         and adds the result to the parameters' gradients."""
         out = list(self._state.deferred.values())
         self._state.deferred.clear()
+        self._state.held_bytes = 0
         return out
 
     def reset_stats(self) -> StepStats:

@@ -52,3 +52,16 @@ def agreement(grads, reference) -> tuple[float, float]:
     a, b = flat(grads).double(), flat(reference).double()
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
     return cosine, ((a - b).norm() / b.norm()).item()
+
+
+def expected_syncs(cfg, schedule: str, num_prompts: int, world: int, *, parallel: str) -> int:
+    """Gradient reductions of one data-parallel update, counted from the layout's definition:
+    Reweight with per-group sync reduces after every round of prompt groups (``shared``: the
+    ``max(1, R // M)`` worker groups take one prompt each per round; ``conventional``: each
+    rank one of its own), everything else once per update."""
+    per_group = schedule == "reweight" and not cfg.global_std and cfg.layout != "scattered"
+    group_sync = cfg.grad_sync == "group" or (cfg.grad_sync == "auto" and parallel == "fsdp")
+    if not (per_group and group_sync):
+        return 1
+    at_once = max(1, world // cfg.group_size) if cfg.layout == "shared" else world
+    return -(-num_prompts // at_once)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from grpo_reference import agreement
+from grpo_reference import agreement, expected_syncs
 from leancompile.grpo.layout import (LAYOUTS, assign, draw_samples, row_owner, sample_seed,
                                      worker_groups)
 from leancompile.grpo.timesteps import TimestepSelection
@@ -118,26 +118,36 @@ def _ddp_worker(rank, world, init, out, kind):
                  for s in ("recompute", "retain", "reweight")]
         cases += [("shared", "retain", {"beta": 0.1}), ("shared", "reweight", {"beta": 0.1}),
                   ("shared", "reweight", {"global_std": True})]
+        # Reweight reducing once per round of prompt groups instead of once per update.
+        cases += [(layout, "reweight", {"grad_sync": "group"})
+                  for layout in ("shared", "conventional", "scattered")]
     results = []
     single_trainers = {}
+    num_prompts = next(iter(conditions.values())).shape[0]
     for layout, schedule, extra in cases:
         cfg = dataclasses.replace(config, layout=layout, **extra)
-        key = tuple(sorted(extra.items()))
+        # grad_sync does not change the single-process trainer (nothing to reduce)
+        key = tuple(sorted((k, v) for k, v in extra.items() if k != "grad_sync"))
         if key not in single_trainers:
             single_trainers[key] = GRPOTrainer(policy, mean_latent_reward, None,
-                                               dataclasses.replace(config, **extra))
+                                               dataclasses.replace(config, **dict(key)))
         single = single_trainers[key]
         trainer = GRPOTrainer(policy, mean_latent_reward, None, cfg, parallel="ddp")
         trainer._steps = single._steps  # same compiled step (compiling is the slow part)
         ref = single.compute_gradients(conditions, torch.Generator().manual_seed(5),
                                        schedule=schedule)
+        predicted = trainer.explain(conditions, torch.Generator().manual_seed(5),
+                                    schedule=schedule).gradient_sync[schedule]
         got = trainer.compute_gradients(conditions, torch.Generator().manual_seed(5),
                                         schedule=schedule)
         cos, rel = agreement(got.grads, ref.grads)
         results.append({
             "case": f"{layout}/{schedule}/{extra}", "rel": rel, "schedule": got.schedule,
             "syncs": got.sync_collectives, "sync_bytes": got.sync_bytes,
+            "predicted_syncs": list(predicted),
             "grad_bytes": sum(g.numel() * g.element_size() for g in got.grads.values()),
+            "expected_syncs": expected_syncs(cfg, schedule, num_prompts, world,
+                                             parallel="ddp"),
             "rewards": float((got.rollout.rewards - ref.rollout.rewards).abs().max()),
             "log_probs": float((got.rollout.log_probs - ref.rollout.log_probs).abs().max()),
             "kl": abs(got.kl - ref.kl),
@@ -176,9 +186,12 @@ def _check(ranks, *, retain_tol, reweight_tol):
             assert entry["kl"] <= 1e-6, (r, entry)
             # Same draws per sample; a model call on fewer rows may round differently.
             assert entry["latents"] <= 1e-5, (r, entry)
-            # One gradient all-reduce per update, of every trainable gradient, whatever the
-            # schedule and the number of steps trained.
-            assert entry["syncs"] == 1 and entry["sync_bytes"] == entry["grad_bytes"], entry
+            # One gradient all-reduce of every trainable gradient per update, whatever the
+            # schedule and the number of steps trained (grad_sync="group": per round of
+            # prompt groups).
+            assert entry["syncs"] == entry["expected_syncs"], entry
+            assert entry["sync_bytes"] == entry["syncs"] * entry["grad_bytes"], entry
+            assert entry["predicted_syncs"] == [entry["syncs"], entry["sync_bytes"]], entry
             rows.append((name, r, entry["rows"]))
         assert "differs across the" in report["mismatch"], report["mismatch"]
         assert "same generator seed" in report["mismatch"]
@@ -212,6 +225,8 @@ def test_parallel_arguments_are_checked():
                 GRPOTrainer(policy, mean_latent_reward, None, GRPOConfig(), parallel=parallel)
     with pytest.raises(ValueError, match="layout='ring'"):
         GRPOConfig(layout="ring")
+    with pytest.raises(ValueError, match="grad_sync='step'.*'group', 'update'"):
+        GRPOConfig(grad_sync="step")
 
 
 # -- the wrapper inside a user's own DDP loop ------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from grpo_reference import agreement
+from grpo_reference import agreement, expected_syncs
 from models import ToyFlowPolicy, tiny_flux_policy
 from ranks import from_rank, spawn
 
@@ -56,7 +56,9 @@ def _fsdp_worker(rank, world, init, out, kind):
         # The KL term and global-std advantages on 2 ranks (LoRA and chunked updates there
         # too); calls that differ across ranks on 4 (below).
         cases += [("shared", "reweight", {"beta": 0.1}), ("shared", "retain", {"beta": 0.1}),
-                  ("shared", "reweight", {"global_std": True})] if world == 2 else []
+                  ("shared", "reweight", {"global_std": True}),
+                  # one reduction for the whole update: the full-size gradient held to the end
+                  ("shared", "reweight", {"grad_sync": "update"})] if world == 2 else []
         # FlashOverlap on the same graphs: the weight gathers feeding matmuls and the weight
         # gradients feeding reduce-scatters become P2P schedules.
         cases += [("shared", s, {"overlap": "flash"}) for s in ("recompute", "retain",
@@ -82,7 +84,8 @@ def _fsdp_worker(rank, world, init, out, kind):
                                                             if k != "prompts"})
         case_conditions = conditions if prompts is None else base.example_conditions(
             prompts, generator=torch.Generator().manual_seed(1))
-        key = tuple(sorted(extra.items()))
+        # grad_sync changes no graph: trainers that differ only in it share compiled steps
+        key = tuple(sorted((k, v) for k, v in extra.items() if k != "grad_sync"))
 
         def reference():
             single = GRPOTrainer(single_policy, mean_latent_reward, None, cfg)
@@ -94,12 +97,16 @@ def _fsdp_worker(rank, world, init, out, kind):
             return ref.grads, ref.rollout.rewards
 
         # Each step's references on one rank (the rank that compiles it), spread over ranks.
-        owner = list(dict.fromkeys(tuple(sorted(c[2].items())) for c in cases)).index(key)
+        owner = list(dict.fromkeys(tuple(sorted((k, v) for k, v in c[2].items()
+                                                if k != "grad_sync")) for c in cases)).index(key)
         ref_grads, ref_rewards = from_rank(rank, owner % world, reference)
         trainer = GRPOTrainer(sharded_policy, mean_latent_reward, None, cfg, parallel="fsdp")
         if key in compiled:
             trainer._steps = compiled[key]
         compiled[key] = trainer._steps
+        # explain's prediction of the update's gradient reductions, before it runs
+        predicted = trainer.explain(case_conditions, torch.Generator().manual_seed(5),
+                                    schedule=schedule).gradient_sync[schedule]
         got = trainer.compute_gradients(case_conditions, torch.Generator().manual_seed(5),
                                         schedule=schedule)
         local = {n: tuple(p.shape) for n, p in trainer.policy.named_parameters()}
@@ -111,8 +118,12 @@ def _fsdp_worker(rank, world, init, out, kind):
         results.append({
             "case": f"{layout}/{schedule}/{extra}", "rel": rel, "schedule": got.schedule,
             "syncs": got.sync_collectives, "sync_bytes": got.sync_bytes,
+            "predicted_syncs": list(predicted),
             "full_grad_bytes": sum(-(-s[0] // world) * world * torch.Size(s[1:]).numel() * 4
                                    for s in shapes.values()),
+            "expected_syncs": expected_syncs(cfg, schedule, case_conditions[
+                next(iter(case_conditions))].shape[0], world, parallel="fsdp"),
+            "buffer_bytes": got.buffer_bytes,
             "parameters": len(shapes),
             "sharded": all(local[n][0] == -(-shapes[n][0] // world) for n in shapes),
             "gathers": sum("all_gather_into_tensor" in o for o in ops),
@@ -251,11 +262,13 @@ def _check(ranks):
                 assert entry["gathers"] == entry["parameters"], entry
                 assert entry["p2p"] == 0, entry
             assert 0 < entry["reductions"] <= entry["parameters"], entry
+            assert entry["predicted_syncs"] == [entry["syncs"], entry["sync_bytes"]], entry
             if schedule == "reweight":
-                # Taken out of the per-row backward: one reduce-scatter per update, of every
-                # (padded) full gradient; no backward graph ran.
-                assert entry["syncs"] == 1, entry
-                assert entry["sync_bytes"] == entry["full_grad_bytes"], entry
+                # Taken out of the per-row backward: one reduce-scatter of every (padded) full
+                # gradient per round of prompt groups (grad_sync="update" or advantages that
+                # wait for the whole batch: per update); no backward graph ran.
+                assert entry["syncs"] == entry["expected_syncs"], entry
+                assert entry["sync_bytes"] == entry["syncs"] * entry["full_grad_bytes"], entry
                 assert entry["backwards"] == 0, entry
             else:
                 assert entry["backwards"] > 0, entry
@@ -276,6 +289,15 @@ def test_fsdp_two_ranks_toy_every_layout_and_schedule_equals_one_process(tmp_pat
     _check(ranks)
     for report in ranks:
         assert report["step_rel"] <= 1e-6 and report["resume_equal"], report
+        # Reweight per round of prompt groups (two rounds here, one sample of each group per
+        # rank) frees a group's reduce-scattered full-size gradient before the next group's
+        # buffer fills; reducing once per update holds it beside that buffer.
+        by_case = {e["case"]: e for e in report["results"]}
+        group = by_case["shared/reweight/{}"]
+        update = by_case["shared/reweight/{'grad_sync': 'update'}"]
+        assert (group["syncs"], update["syncs"]) == (2, 1), (group, update)
+        assert update["buffer_bytes"] - group["buffer_bytes"] == group["full_grad_bytes"], \
+            (group, update)
         first, second, total = report["chunk_syncs"]
         assert first > 0 and second > 0 and first + second == total, report["chunk_syncs"]
         assert all(rel <= 1e-5 for rel in report["lora_rel"].values()), report["lora_rel"]

@@ -45,7 +45,9 @@ from .parallel import DataParallel
 from .timesteps import TimestepSelection
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "GradResult", "Rollout", "PendingUpdate",
-           "OffPolicyWarning"]
+           "OffPolicyWarning", "GRAD_SYNCS"]
+
+GRAD_SYNCS = ("auto", "group", "update")
 
 log = logging.getLogger("leancompile")
 
@@ -112,6 +114,16 @@ class GRPOConfig:
     ``conventional`` (whole prompt groups per rank, as DanceGRPO) or ``scattered`` (group
     members spread over the ranks, as FlowGRPO). No effect in one process; the gradients do
     not depend on it."""
+    grad_sync: str = "auto"
+    """When data-parallel Reweight reduces its corrected gradients over the ranks (once a
+    group's advantages are in them; the gradients are the same either way): ``group`` (one
+    reduction per round of prompt groups, as each is scored: under ``parallel="fsdp"`` the
+    rank's full-size gradient is reduce-scattered to its part and freed before the next group's
+    buffers fill), ``update`` (one reduction for the whole update: the least traffic, the
+    full-size gradient held until the end) or ``auto`` (``group`` under fsdp, ``update``
+    otherwise: with replicated gradients a reduction per group only adds traffic). Layouts whose
+    advantages wait for the whole batch (``scattered``, ``global_std``) reduce once per update
+    whatever this says."""
 
     def __post_init__(self):
         if self.device is not None:
@@ -148,6 +160,8 @@ class GRPOConfig:
                              "(CompileOptions.overlap)")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r}; use one of {LAYOUTS}")
+        if self.grad_sync not in GRAD_SYNCS:
+            raise ValueError(f"grad_sync={self.grad_sync!r}; use one of {GRAD_SYNCS}")
 
     @property
     def selection(self) -> TimestepSelection:
@@ -207,8 +221,10 @@ class GradResult:
     rollout's forward: retain, reweight); None when none was on-policy (later chunks, or the
     parameters changed)."""
     sync_collectives: int = 0
-    """Gradient reductions this update issued (data parallel; one flat all-reduce per update
-    and dtype)."""
+    """Gradient reductions this update issued (data parallel; one flat all-reduce or
+    reduce-scatter per dtype, per update or, Reweight with ``GRPOConfig.grad_sync="group"``,
+    per round of prompt groups; under fsdp Retain's and Recompute's backward graphs reduce in
+    every backward)."""
     sync_bytes: int = 0
     """Bytes those reductions carried (per rank)."""
 
@@ -259,6 +275,9 @@ class _Setup:
     denoising step, the (untrained, trained) rollout calls every rank makes at that step:
     a rank without rows for one of them calls the step on a stand-in row instead
     (``_fsdp_padding``)."""
+    sync_rounds: int = 0
+    """Reweight with ``grad_sync="group"``: the number of rounds of prompt groups every rank
+    reduces after (the most units any rank has; 0: one reduction for the whole update)."""
 
 
 class GRPOTrainer:
@@ -508,7 +527,10 @@ class GRPOTrainer:
             graph = self._graphs(self.lean_step(keys, partitioner_budget), example)
             costs = self._costs(graph, num_rows)
             call_bytes = max(graph.kept_bytes(n) for n in rows_per_step)
-            buffers = (samples_in_flight + (cfg.beta > 0)) * self._grad_bytes()
+            # fsdp reducing once per update holds the corrected full-size gradient beside
+            # the next group's buffers (grad_sync)
+            held = self.sharding is not None and not self._group_sync()
+            buffers = (samples_in_flight + (cfg.beta > 0) + held) * self._grad_bytes()
             rows = reweight_rows_per_backward(
                 rows=max(rows_per_step), grad_bytes=self._grad_bytes(),
                 row_saved_bytes=graph.kept_bytes(1),
@@ -519,7 +541,8 @@ class GRPOTrainer:
                 reweight_call_bytes=call_bytes,
                 samples_in_flight=samples_in_flight, grad_bytes=self._grad_bytes(),
                 with_kl=cfg.beta > 0, memory_budget_bytes=budget_bytes,
-                partitioner_budget=partitioner_budget, reweight_rows=rows), graph
+                partitioner_budget=partitioner_budget, reweight_rows=rows,
+                held_grads=int(held)), graph
 
         plans, graph = plans_for(None)
         if self.sequence_parallel is not None:
@@ -633,13 +656,83 @@ class GRPOTrainer:
                                          mask=mask, schedule=schedule)
             self._check_fsdp_calls(keys, example, padding, chunk_steps, schedule,
                                    partitioner_budget)
+        sync_rounds = self._sync_rounds(schedule, layout, num_prompts=num_prompts, seed=seed)
         return _Setup(keys=keys, num_prompts=num_prompts, batch=batch, cond=cond,
                       cond_list=cond_list, selected=selected, latents0=latents0, noise=noise,
                       chunk_steps=chunk_steps, mask=mask,
                       lean=self.lean_step(keys, partitioner_budget), schedule=schedule,
                       reason=reason, plans=plans, partitioner_budget=partitioner_budget,
                       budget_bytes=budget_bytes, seed=seed, layout=layout, local=local,
-                      owned=owned, units=units, padding=padding)
+                      owned=owned, units=units, padding=padding, sync_rounds=sync_rounds)
+
+    def _per_group(self, schedule: str, layout: str) -> bool:
+        """Reweight trains each prompt group in the rollout as soon as it is scored, unless its
+        advantages wait for the whole batch (global std; groups scattered over the ranks)."""
+        return schedule == "reweight" and not self.config.global_std and layout != "scattered"
+
+    def _sync_rounds(self, schedule: str, layout: str, *, num_prompts: int, seed: int) -> int:
+        """Reweight with per-group sync: the rounds of prompt groups it reduces after (the
+        most units any rank has: every rank reduces after every round, in the same order, a
+        rank with fewer prompt groups adding zeros); 0 otherwise (one reduction per update)."""
+        par = self.parallel
+        if not (par.distributed and self._per_group(schedule, layout) and self._group_sync()):
+            return 0
+        return max(len(assign(layout, num_prompts=num_prompts, group_size=self.config.group_size,
+                              world_size=par.world_size, rank=r, seed=seed))
+                   for r in range(par.world_size))
+
+    def _sync_plan(self, st: _Setup, graph) -> tuple[dict[str, tuple[int, int]], str]:
+        """Per schedule, the gradient reductions one update will issue on this rank and their
+        bytes (what ``GradResult.sync_collectives`` / ``sync_bytes`` then count), with a line
+        saying where they come from; ({}, "") in one process."""
+        par = self._sequence_sync if self._sequence_sync is not None else self.parallel
+        if not par.distributed:
+            return {}, ""
+        params = dict(self.policy.named_parameters())
+        grads = [params[n] for n in self.trainable]
+        buckets = len({(p.dtype, p.device) for p in grads})
+        out = {}
+        trained_steps = int(st.mask.any(0).sum())
+        for schedule in SCHEDULES:
+            rounds = self._sync_rounds(schedule, st.layout, num_prompts=st.num_prompts,
+                                       seed=st.seed) or 1
+            if self.sharding is not None and schedule == "reweight":
+                full = sum(self.sharding.rows[n] * par.world_size * p[0].numel()
+                           * p.element_size() for n, p in zip(self.trainable, grads))
+                out[schedule] = (rounds * buckets, rounds * full)
+            elif self.sharding is not None:
+                count = nbytes = 0
+                for node in graph.backward_aten.graph.nodes:
+                    if node.op == "call_function" and "reduce_scatter_tensor" in str(node.target):
+                        val = node.args[0].meta.get("val")
+                        count += 1
+                        nbytes += val.numel() * val.element_size() if val is not None else 0
+                out[schedule] = (count * trained_steps, nbytes * trained_steps)
+            else:
+                full = sum(p.numel() * p.element_size() for p in grads)
+                out[schedule] = (rounds * buckets, rounds * full)
+        cfg = self.config
+        kind = ("fsdp" if self.sharding is not None else "ddp" if self._sequence_sync is None
+                else "the sequence-parallel group's sum")
+        why = [f"{kind} over {par.world_size} ranks"]
+        if self.sharding is not None:
+            why.append("recompute and retain reduce-scatter in every backward, one per trained "
+                       f"step ({trained_steps})")
+        rounds = self._sync_rounds("reweight", st.layout, num_prompts=st.num_prompts,
+                                   seed=st.seed)
+        if rounds:
+            why.append(f"reweight once per round of prompt groups ({rounds}; grad_sync="
+                       f"{cfg.grad_sync!r})")
+        else:
+            waits = ("scattered layout" if st.layout == "scattered" else
+                     "global_std" if cfg.global_std else f"grad_sync={cfg.grad_sync!r}")
+            why.append(f"reweight once per update ({waits})")
+        return out, "; ".join(why)
+
+    def _group_sync(self) -> bool:
+        """``GRPOConfig.grad_sync`` resolved: reduce per round of prompt groups?"""
+        mode = self.config.grad_sync
+        return mode == "group" or (mode == "auto" and self.sharding is not None)
 
     def _fsdp_padding(self, layout: str, *, num_prompts: int, seed: int, mask, schedule: str):
         """``parallel="fsdp"`` gathers the parameters inside every step call and
@@ -653,8 +746,7 @@ class GRPOTrainer:
         stand-in row (``PendingUpdate._stand_in``) whose loss is multiplied by zero: its
         gradient adds exactly nothing."""
         cfg, par = self.config, self.parallel
-        per_group = schedule == "reweight" and not cfg.global_std and layout != "scattered"
-        if per_group:
+        if self._per_group(schedule, layout):
             every = [assign(layout, num_prompts=num_prompts, group_size=cfg.group_size,
                             world_size=par.world_size, rank=r, seed=seed)
                      for r in range(par.world_size)]
@@ -711,11 +803,13 @@ class GRPOTrainer:
         nodes = {name: len(gm.graph.nodes) for name, gm in (
             ("forward", graph.forward), ("backward", graph.backward),
             ("inference", graph.inference))}
+        sync, sync_note = self._sync_plan(st, graph)
         return ScheduleReport(
             plans=st.plans, chosen=st.schedule, reason=st.reason, batch=st.batch,
             num_steps=st.noise.shape[0], selected_per_sample=st.chunk_steps[0].shape[1],
             saved_bytes_per_call=graph.kept_bytes(st.batch),
-            memory_budget_bytes=st.budget_bytes, graph_nodes=nodes, pipeline=graph.report)
+            memory_budget_bytes=st.budget_bytes, graph_nodes=nodes, pipeline=graph.report,
+            gradient_sync=sync, gradient_sync_note=sync_note)
 
     # -- the main entry ----------------------------------------------------------------------
     def compute_gradients(self, conditions: Mapping[str, torch.Tensor], generator=None, *,
@@ -754,8 +848,7 @@ class GRPOTrainer:
         # Reweight with per-group statistics updates a group as soon as it is scored, freeing
         # its gradient buffers; everything else scores the whole batch first (so do groups
         # scattered over the ranks: their rewards are gathered from everyone at once).
-        per_group = (st.schedule == "reweight" and not cfg.global_std
-                     and st.layout != "scattered")
+        per_group = self._per_group(st.schedule, st.layout)
         units = st.units if per_group else [
             Unit(prompts=tuple(range(st.num_prompts)), rows=tuple(st.local.tolist()),
                  ranks=tuple(range(par.world_size)))]
@@ -779,15 +872,24 @@ class GRPOTrainer:
                                                      adv_config)
                 if rows.numel():
                     pending.train(rows, advantages, trajectory, log_probs, chunk=0)
+                if st.sync_rounds:
+                    pending.reduce_round()
         for padding in ([] if st.padding is None else st.padding[len(units):]):
             # fsdp: another rank has more prompt groups; this one makes their calls too.
             pending.sample(torch.zeros(0, dtype=torch.long), padding)
+            if st.sync_rounds:
+                pending.reduce_round()
+        for _ in range(st.sync_rounds - max(len(units), len(st.padding or ()))):
+            pending.reduce_round()  # ddp: another rank has more prompt groups
         if not per_group:
             rewards = par.gather_rows(rewards, st.owned)
             advantages = group_advantages(rewards, group_ids, adv_config)
         else:
-            pending.rollout_grads = pending.collect(deferred=True)
-            pending._rollout_sync = pending.sync
+            if st.sync_rounds:
+                pending.rollout_grads, pending._rollout_sync = pending.take_rounds()
+            else:
+                pending.rollout_grads = pending.collect(deferred=True)
+                pending._rollout_sync = pending.sync
             # Every rank's record holds every row's reward and advantage.
             rewards = par.gather_rows(rewards, st.owned)
             advantages = par.gather_rows(advantages, st.owned)
@@ -935,6 +1037,7 @@ class PendingUpdate:
         self.rollout_grads: dict | None = None
         self.sync = (0, 0)
         self._rollout_sync = (0, 0)
+        self._rounds: tuple | None = None
         self._retained = self._buffered = 0
         self._ratio_error: float | None = None
         self._backwards_counted = 0
@@ -966,6 +1069,27 @@ class PendingUpdate:
             if self.trainer.sharding is not None:
                 self.sync = self._fsdp_reductions(grads, deferred=deferred)
         return grads
+
+    def reduce_round(self) -> None:
+        """Reweight with ``grad_sync="group"``: the gradients of the round of prompt groups
+        just trained (their advantages are in them) reduced over the ranks now (``collect``)
+        and added to the rollout's total; under fsdp the rank's full-size gradients are
+        reduce-scattered to its parts and freed before the next group's buffers fill."""
+        grads = self.collect(deferred=True)
+        if self._rounds is None:
+            self._rounds = (grads, self.sync)
+            return
+        total, (count, nbytes) = self._rounds
+        for name, g in grads.items():
+            total[name] += g
+        self._rounds = (total, (count + self.sync[0], nbytes + self.sync[1]))
+
+    def take_rounds(self) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+        """The summed gradients of every ``reduce_round`` and their (collectives, bytes)."""
+        rounds, self._rounds = self._rounds, None
+        if rounds is None:
+            raise RuntimeError("take_rounds() before any reduce_round() (a bug in the trainer)")
+        return rounds
 
     def _fsdp_reductions(self, grads: dict[str, torch.Tensor], *,
                          deferred: bool) -> tuple[int, int]:

@@ -7,7 +7,8 @@ sample's advantage once the group is scored, and only then may the ranks' gradie
 (summing first would add rows of different samples with one weight). This pass gives Reweight
 the backward it needs: each reduction is removed and the gradient output becomes the full,
 rank-local gradient that went into it. The caller reduces the weighted sum later, once per
-update, with one collective for all parameters (``DataParallel.reduce_scatter_grads``).
+round of prompt groups or once per update (``GRPOConfig.grad_sync``), with one collective for
+all parameters (``DataParallel.reduce_scatter_grads``).
 
 Before (one sharded parameter; ``R`` ranks, its part ``[c, k]``)::
 

@@ -262,7 +262,7 @@ def build_schedule_plans(*, costs: StepCosts, selected_calls: int, total_calls: 
                          retain_bytes: int, reweight_call_bytes: int, samples_in_flight: int,
                          grad_bytes: int, with_kl: bool, memory_budget_bytes: int,
                          partitioner_budget: float | None = None,
-                         reweight_rows: int = 1) -> dict[str, SchedulePlan]:
+                         reweight_rows: int = 1, held_grads: int = 0) -> dict[str, SchedulePlan]:
     """The three schedules for one rollout.
 
     ``costs``: per-call costs of the graphs for the full batch. ``selected_calls`` /
@@ -273,7 +273,9 @@ def build_schedule_plans(*, costs: StepCosts, selected_calls: int, total_calls: 
     buffers Reweight holds at once. ``grad_bytes``: one trainable-parameter gradient.
     ``reweight_rows``: rows per vectorised backward (``reweight_rows_per_backward``); their
     per-row gradients exist together until added into the sample buffers, so the peak counts
-    the least of them (one row), the most that fit being taken at run time.
+    the least of them (one row), the most that fit being taken at run time. ``held_grads``:
+    full-size corrected gradients Reweight holds beside the buffers until a later reduction
+    (sharded parameters reduced once per update: 1).
     """
     unselected_calls = total_calls - selected_calls
     f_i, f, b = costs.inference_flops, costs.forward_flops, costs.backward_flops
@@ -310,12 +312,14 @@ def build_schedule_plans(*, costs: StepCosts, selected_calls: int, total_calls: 
                         cotangent="grad += A_i * G_i", target="grad"),
                  PlanOp(phase="update", op="sync", applies_to="all")],
             # The rows per backward adapt to the room left (one at the least).
-            peak_bytes=(samples_in_flight + (1 if with_kl else 0) + 1) * grad_bytes
-            + reweight_call_bytes,
+            peak_bytes=(samples_in_flight + (1 if with_kl else 0) + 1 + held_grads)
+            * grad_bytes + reweight_call_bytes,
             flops=unselected_calls * f_i + selected_calls * (f + b * (2 if with_kl else 1)),
             note=f"one gradient buffer per sample in flight ({samples_in_flight}); per-row "
                  f"gradients from one vectorised backward of up to {reweight_rows} row(s) "
-                 "(torch.func.vmap of the batch-1 backward)" + kl_note),
+                 "(torch.func.vmap of the batch-1 backward)" + kl_note
+                 + ("; the corrected full-size gradient held until the update's reduction"
+                    if held_grads else "")),
     }
     for plan in plans.values():
         plan.fits = plan.peak_bytes <= memory_budget_bytes
@@ -369,6 +373,11 @@ class ScheduleReport:
     pipeline: object = None
     """The pipeline's ``Report`` of the policy step's graphs (its ``lean_grpo`` stage says
     which saved tensors hold the batch row by row)."""
+    gradient_sync: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Data parallel: per schedule, the gradient reductions one update issues on each rank
+    and their bytes (empty in one process)."""
+    gradient_sync_note: str = ""
+    """Where those counts come from (parallelism, ranks, rounds of prompt groups)."""
 
     def __str__(self) -> str:
         lines = [
@@ -383,6 +392,11 @@ class ScheduleReport:
         for plan in self.plans.values():
             lines.append(plan.describe(base))
         lines.append(f"-> {self.chosen}: {self.reason}")
+        if self.gradient_sync:
+            lines.append("gradient reductions per update: " + ", ".join(
+                f"{name} {count} ({_fmt_bytes(nbytes)})"
+                for name, (count, nbytes) in self.gradient_sync.items())
+                + f" [{self.gradient_sync_note}]")
         if self.pipeline is not None:
             for result in self.pipeline.pass_results(NAME):
                 if result.disabled:
