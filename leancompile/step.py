@@ -66,7 +66,7 @@ from .options import CompileOptions
 from .passes.lean_grpo import reweight_rows_per_backward
 from .report import Report, record_report
 from .passes.coalesced_sync import find_gradient_reductions, take_out_reductions
-from .runtime.accumulate import accumulating
+from .runtime.accumulate import Accumulator, accumulating, matmul_operands_out
 from .runtime.frameless import frameless
 from .runtime.reuse import Reused, gather_rows, row_hashes, storage_bytes, whole_hash
 from .runtime.vmap_ops import VMAP_REPLACEMENTS
@@ -749,24 +749,19 @@ class _GraphRuntime:
 
     def _accumulate_rows(self, kept: _Kept, rows: list[int], q: int, trainable: list) -> bool:
         """Later steps of samples whose buffers are one block (``_new_block``): the vectorised
-        backward adds into the block in place (``aot_eager``: the graph itself, matmuls as
-        ``baddbmm_``, ``runtime/accumulate.py``; ``inductor``: one ``_foreach_add_`` of the
-        compiled graph's output). False (nothing done) when the rows' samples are not exactly
-        one block's."""
+        backward adds into the block in place, weight gradients as ``baddbmm_`` into it
+        (``runtime/accumulate.py``; ``aot_eager``: inside the graph; ``inductor``: the compiled
+        graph returns the matmuls' operands and ``Accumulator`` adds them in). False (nothing
+        done) when the rows' samples are not exactly one block's."""
         state = self.step._state
         samples = self._chunk_samples(kept, rows)
         block = None if samples is None else state.sample_blocks.get((samples, q))
         if block is None:
             return False
-        if self.step.options.compiler == "aot_eager":
-            self._vmapped_row_gradients(kept, rows, q, trainable, into=block)
-        else:
-            stacked = self._vmapped_row_gradients(kept, rows, q, trainable)
-            pairs = [(block[source], t) for source, t in stacked.items()
-                     if t is not None and source in block]
-            if len(pairs) != len(block):
-                return False
-            torch._foreach_add_([b for b, _ in pairs], [t for _, t in pairs])
+        if any(source not in block for i, source in trainable
+               if i in self._produced(trainable)):
+            return False
+        self._vmapped_row_gradients(kept, rows, q, trainable, into=block)
         state.stats.reweight_fused_steps += 1
         state.stats.reweight_inplace_matmuls = self._inplace_matmuls
         return True
@@ -914,8 +909,10 @@ class _GraphRuntime:
 
         then compiled like the step's own graphs (``inductor``: ``compile_fx``; ``aot_eager``:
         run as traced), so Reweight's backward runs the same kernels as recompute's.
-        ``accumulate`` (``aot_eager`` only): the graph takes one buffer per gradient after its
-        inputs and adds into it in place (``runtime/accumulate.py``), returning nothing."""
+        ``accumulate``: the function takes one buffer per gradient after its inputs and adds
+        into it in place, returning nothing (``runtime/accumulate.py``: ``aot_eager`` rewrites
+        the graph to do it; ``inductor`` compiles a graph returning the weight-gradient
+        matmuls' operands, which ``Accumulator`` adds in with ``baddbmm_``)."""
         from torch.fx.experimental.proxy_tensor import make_fx
 
         g = self.g
@@ -954,8 +951,14 @@ class _GraphRuntime:
             return lambda args: run(*args)
         from torch._inductor.compile_fx import compile_fx
 
+        if accumulate:
+            traced, plan = matmul_operands_out(traced)
         with torch.no_grad():
             compiled = compile_fx(traced, list(inputs))
+        if accumulate:
+            acc = Accumulator(compiled, plan, len(inputs))
+            self._inplace_matmuls = acc.matmuls
+            return lambda args: acc(*args)
         return lambda args: compiled(*args)
 
     # -- gathering -------------------------------------------------------------------------
