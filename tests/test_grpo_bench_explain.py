@@ -79,6 +79,30 @@ print(held - rss())
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_bench_grpo_under_torchrun_fsdp_counts_gradient_reductions():
+    """What a user launches: ``torchrun --nproc-per-node 2 -m leancompile.cli bench grpo
+    --parallel fsdp``. Two prompt groups, both ranks on each (shared layout): Reweight
+    reduce-scatters once per group; recompute inside each of its two trained steps'
+    backwards."""
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+         "leancompile.cli", "bench", "grpo", "--parallel", "fsdp", "--prompts", "2",
+         "--schedules", "recompute,reweight", "--layers", "1", "--hidden", "64", "--latent",
+         "8", "--steps", "2", "--repeats", "1", "--json", "--malloc", "default"],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["config"]["world_size"] == 2 and report["config"]["prompts"] == 2
+    recompute, reweight = report["schedules"]["recompute"], report["schedules"]["reweight"]
+    assert reweight["sync_collectives"] == 2, reweight
+    assert recompute["sync_collectives"] > 0 and recompute["sync_collectives"] % 2 == 0
+    assert reweight["grad_rel_l2"] <= 1e-5, reweight
+    # each carries the full (padded) gradient: two groups' worth, as recompute's two
+    # backwards (whose per-parameter reduce-scatters pad less)
+    assert abs(reweight["sync_bytes"] - recompute["sync_bytes"]) <= 0.01 * recompute[
+        "sync_bytes"], (reweight, recompute)
+
+
 def test_keep_freed_memory_keeps_freed_blocks_resident():
     """glibc hands 1 MiB blocks back to the kernel when they are freed; after
     keep_freed_memory() the process keeps them for the next allocation (the bench's --malloc)."""

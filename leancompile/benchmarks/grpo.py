@@ -75,6 +75,8 @@ class BenchConfig:
     repeats: int = 5
     parallel: str = "ddp"
     """Under torchrun (more than one rank): ``ddp`` or ``fsdp`` (``GRPOTrainer(parallel=)``)."""
+    grad_sync: str = "auto"
+    """Under torchrun: when Reweight reduces its gradients (``GRPOConfig.grad_sync``)."""
     compiler: str = "aot_eager"
     """The compiler of the report's top-level rows. With ``compilers`` given, it is set to the
     first of them."""
@@ -104,6 +106,8 @@ class BenchConfig:
             raise ValueError(f"repeats={self.repeats} must be >= 1")
         if self.parallel not in ("ddp", "fsdp"):
             raise ValueError(f"parallel={self.parallel!r}; use 'ddp' or 'fsdp'")
+        if self.prompts < 1:
+            raise ValueError(f"prompts={self.prompts} must be >= 1")
 
 
 def build_policy(config: BenchConfig):
@@ -309,7 +313,8 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
     parallel = config.parallel if world > 1 else None
     trainers = {c: GRPOTrainer(policy, mean_latent_reward, None, GRPOConfig(
         sde=sde, eta=0.3 if sde == "dance_grpo" else 0.9, group_size=config.group_size,
-        timestep_fraction=config.fraction, compiler=c), parallel=parallel)
+        timestep_fraction=config.fraction, compiler=c, grad_sync=config.grad_sync),
+        parallel=parallel)
         for c in config.compilers}
     grpo_config = trainers[config.compiler].config
     conditions = policy.example_conditions(config.prompts, torch.Generator().manual_seed(1),
@@ -481,7 +486,8 @@ def format_table(report: dict) -> str:
                  "and the bytes they carry per rank (data parallel)")
     if cfg.get("parallel"):
         lines.append(f"data parallel: {cfg.get('world_size')} ranks ({cfg['parallel']}, shared "
-                     "layout); no eager row (the eager FlowGRPO loop here is single-process); "
+                     f"layout, {cfg.get('prompts', 1)} prompt group(s), grad_sync="
+                     f"{cfg.get('grad_sync', 'auto')!r}); no eager row (the eager FlowGRPO loop here is single-process); "
                      "ideal ratio from the full batch's F0, F, B on one rank")
     for compiler, part in by_compiler.items():
         if part["best_lean_schedule"]:
@@ -510,11 +516,17 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--latent", type=int, default=32)
+    p.add_argument("--prompts", type=int, default=1,
+                   help="prompt groups per step (each of --group-size samples)")
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--fraction", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
                    help="under torchrun: replicated (ddp) or sharded (fsdp) parameters")
+    p.add_argument("--grad-sync", default="auto", choices=("auto", "group", "update"),
+                   help="under torchrun: Reweight's gradient reductions once per round of "
+                        "prompt groups or once per update (GRPOConfig.grad_sync; auto: group "
+                        "under fsdp)")
     p.add_argument("--compiler", default=None, choices=COMPILERS,
                    help="compiler of the schedules (default aot_eager)")
     p.add_argument("--compilers", default=None,
@@ -535,8 +547,9 @@ def main(argv=None) -> int:
     try:
         config = BenchConfig(model=ns.model, schedules=tuple(ns.schedules.split(",")),
                              steps=ns.steps, layers=ns.layers, hidden=ns.hidden,
-                             latent=ns.latent, group_size=ns.group_size, fraction=ns.fraction,
-                             repeats=ns.repeats, parallel=ns.parallel, compiler=compilers[0],
+                             latent=ns.latent, prompts=ns.prompts, group_size=ns.group_size,
+                             fraction=ns.fraction, repeats=ns.repeats, parallel=ns.parallel,
+                             grad_sync=ns.grad_sync, compiler=compilers[0],
                              compilers=compilers)
     except ValueError as error:
         p.error(str(error))
