@@ -66,7 +66,7 @@ from .options import CompileOptions
 from .passes.lean_grpo import reweight_rows_per_backward
 from .report import Report, record_report
 from .passes.coalesced_sync import find_gradient_reductions, take_out_reductions
-from .runtime.accumulate import Accumulator, accumulating, matmul_operands_out
+from .runtime.accumulate import accumulating
 from .runtime.frameless import frameless
 from .runtime.reuse import Reused, gather_rows, row_hashes, storage_bytes, whole_hash
 from .runtime.vmap_ops import VMAP_REPLACEMENTS
@@ -749,19 +749,24 @@ class _GraphRuntime:
 
     def _accumulate_rows(self, kept: _Kept, rows: list[int], q: int, trainable: list) -> bool:
         """Later steps of samples whose buffers are one block (``_new_block``): the vectorised
-        backward adds into the block in place, weight gradients as ``baddbmm_`` into it
-        (``runtime/accumulate.py``; ``aot_eager``: inside the graph; ``inductor``: the compiled
-        graph returns the matmuls' operands and ``Accumulator`` adds them in). False (nothing
-        done) when the rows' samples are not exactly one block's."""
+        backward adds into the block in place (``aot_eager``: the graph itself, matmuls as
+        ``baddbmm_``, ``runtime/accumulate.py``; ``inductor``: one ``_foreach_add_`` of the
+        compiled graph's output). False (nothing done) when the rows' samples are not exactly
+        one block's."""
         state = self.step._state
         samples = self._chunk_samples(kept, rows)
         block = None if samples is None else state.sample_blocks.get((samples, q))
         if block is None:
             return False
-        if any(source not in block for i, source in trainable
-               if i in self._produced(trainable)):
-            return False
-        self._vmapped_row_gradients(kept, rows, q, trainable, into=block)
+        if self.step.options.compiler == "aot_eager":
+            self._vmapped_row_gradients(kept, rows, q, trainable, into=block)
+        else:
+            stacked = self._vmapped_row_gradients(kept, rows, q, trainable)
+            pairs = [(block[source], t) for source, t in stacked.items()
+                     if t is not None and source in block]
+            if len(pairs) != len(block):
+                return False
+            torch._foreach_add_([b for b, _ in pairs], [t for _, t in pairs])
         state.stats.reweight_fused_steps += 1
         state.stats.reweight_inplace_matmuls = self._inplace_matmuls
         return True
@@ -812,7 +817,7 @@ class _GraphRuntime:
         return reweight_rows_per_backward(
             rows=len(kept.rows), grad_bytes=self.row_grad_bytes(kept.args),
             row_saved_bytes=self.g.kept_bytes(1), requested=self.step.config.reweight_rows,
-            room_bytes=state.budget - state.kept_bytes - state.buffer_bytes)
+            room_bytes=state.budget - state.kept_bytes - state.buffer_bytes - state.held_bytes)
 
     def _vmappable_backward(self) -> fx.GraphModule:
         """The aten backward graph with slice ends of "to the end" (``2**63 - 1``, which
@@ -909,10 +914,8 @@ class _GraphRuntime:
 
         then compiled like the step's own graphs (``inductor``: ``compile_fx``; ``aot_eager``:
         run as traced), so Reweight's backward runs the same kernels as recompute's.
-        ``accumulate``: the function takes one buffer per gradient after its inputs and adds
-        into it in place, returning nothing (``runtime/accumulate.py``: ``aot_eager`` rewrites
-        the graph to do it; ``inductor`` compiles a graph returning the weight-gradient
-        matmuls' operands, which ``Accumulator`` adds in with ``baddbmm_``)."""
+        ``accumulate`` (``aot_eager`` only): the graph takes one buffer per gradient after its
+        inputs and adds into it in place (``runtime/accumulate.py``), returning nothing."""
         from torch.fx.experimental.proxy_tensor import make_fx
 
         g = self.g
@@ -951,14 +954,8 @@ class _GraphRuntime:
             return lambda args: run(*args)
         from torch._inductor.compile_fx import compile_fx
 
-        if accumulate:
-            traced, plan = matmul_operands_out(traced)
         with torch.no_grad():
             compiled = compile_fx(traced, list(inputs))
-        if accumulate:
-            acc = Accumulator(compiled, plan, len(inputs))
-            self._inplace_matmuls = acc.matmuls
-            return lambda args: acc(*args)
         return lambda args: compiled(*args)
 
     # -- gathering -------------------------------------------------------------------------
@@ -1200,8 +1197,9 @@ class _GraphRuntime:
                 if i in deferred and s in total:
                     grad = total.pop(s)
                     held = state.deferred.get(id(args[i]))
+                    # (the held sum is this runtime's own tensor: added to in place)
                     state.deferred[id(args[i])] = (args[i], grad if held is None
-                                                   else held[1] + grad)
+                                                   else held[1].add_(grad))
                     if held is None:
                         state.held_bytes += grad.numel() * grad.element_size()
                         state.note_peak()

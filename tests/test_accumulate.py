@@ -61,27 +61,3 @@ def test_a_matmul_used_twice_or_seen_non_contiguous_is_added_afterwards():
     fused(x, dy, *buffers)
     for b, e in zip(buffers, expected):
         torch.testing.assert_close(b, e)
-
-
-def test_compiled_graph_returns_matmul_operands_and_the_accumulator_adds_them_in_place():
-    """The Inductor path: the compiled graph computes everything but the weight-gradient
-    matmuls, whose operands it returns; ``Accumulator`` adds them into the buffers."""
-    from torch._inductor.compile_fx import compile_fx
-
-    from leancompile.runtime.accumulate import Accumulator, matmul_operands_out
-
-    traced, inputs = _graph()
-    split, plan = matmul_operands_out(traced)
-    assert plan == [("bmm", (3, 6, 4)), ("add",), ("add",)]
-    assert aten.bmm.default not in [n.target for n in split.graph.nodes]
-    expected = traced(*inputs)
-    for run in (split, compile_fx(split, list(inputs))):
-        acc = Accumulator(run, plan, len(inputs))
-        assert acc.matmuls == 1
-        buffers = [torch.randn_like(t.contiguous()) for t in expected]
-        before = [b.clone() for b in buffers]
-        pointers = [b.data_ptr() for b in buffers]
-        assert acc(*inputs, *buffers) == ()
-        for b, b0, e, p in zip(buffers, before, expected, pointers):
-            assert b.data_ptr() == p
-            torch.testing.assert_close(b, b0 + e, rtol=1e-6, atol=1e-6)

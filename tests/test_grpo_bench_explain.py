@@ -78,7 +78,6 @@ print(held - rss())
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_bench_grpo_under_torchrun_fsdp_counts_gradient_reductions():
     """What a user launches: ``torchrun --nproc-per-node 2 -m leancompile.cli bench grpo
     --parallel fsdp``. Two prompt groups, both ranks on each (shared layout): Reweight
@@ -103,6 +102,7 @@ def test_bench_grpo_under_torchrun_fsdp_counts_gradient_reductions():
         "sync_bytes"], (reweight, recompute)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_keep_freed_memory_keeps_freed_blocks_resident():
     """glibc hands 1 MiB blocks back to the kernel when they are freed; after
     keep_freed_memory() the process keeps them for the next allocation (the bench's --malloc)."""
@@ -126,6 +126,10 @@ def test_bench_config_errors():
         BenchConfig(schedules=("retain",))
     with pytest.raises(ValueError, match="model='sd3'"):
         BenchConfig(model="sd3")
+    with pytest.raises(ValueError, match="grad_sync='step'"):
+        BenchConfig(grad_sync="step")
+    with pytest.raises(ValueError, match="prompts=0"):
+        BenchConfig(prompts=0)
     with pytest.raises(ValueError, match="compilers"):
         BenchConfig(compilers=("aot_eager", "aot_eager"))
     with pytest.raises(ValueError, match="compilers"):

@@ -70,7 +70,13 @@ def _fsdp_worker(rank, world, init, out, kind):
         dance = {"sde": "dance_grpo", "eta": 0.3, "timestep_fraction": 0.5, "prompts": 3}
         cases += [("shared", "retain", dance), ("shared", "reweight", dance),
                   ("conventional", "retain", {"group_size": 2, "prompts": 1}),
-                  ("shared", "reweight", {"group_size": 2, "prompts": 3})] if world == 4 else []
+                  ("shared", "reweight", {"group_size": 2, "prompts": 3}),
+                  # Reweight reducing per round of prompt groups where ranks own unequal
+                  # numbers of groups: 5 prompts as 2+1+1+1 (two rounds, three ranks pad the
+                  # second), 3 prompts as 1+1+1+0 (rank 3 only pads)
+                  ("conventional", "reweight", {"group_size": 2, "prompts": 5}),
+                  ("conventional", "reweight", {"group_size": 2, "prompts": 3})] if world == 4 \
+            else []
     shapes = {n: tuple(p.shape) for n, p in base.named_parameters()}
     results = []
     # One policy for the single-process references and one the first fsdp trainer shards;

@@ -311,7 +311,3 @@ def test_inductor_compiled_graphs_match_aot_eager():
             assert result.ratio_error is not None and result.ratio_error < 1e-4
         else:
             assert result.ratio_error == 0, (schedule, result.ratio_error)
-    # Reweight's later steps added into the samples' buffers, the weight gradients as
-    # in-place matmuls after the compiled graph (runtime/accumulate.py's Accumulator).
-    stats = trainer.lean_step(list(conditions)).stats
-    assert stats.reweight_fused_steps > 0 and stats.reweight_inplace_matmuls > 0, stats

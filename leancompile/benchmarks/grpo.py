@@ -108,6 +108,10 @@ class BenchConfig:
             raise ValueError(f"parallel={self.parallel!r}; use 'ddp' or 'fsdp'")
         if self.prompts < 1:
             raise ValueError(f"prompts={self.prompts} must be >= 1")
+        from ..grpo.trainer import GRAD_SYNCS
+
+        if self.grad_sync not in GRAD_SYNCS:
+            raise ValueError(f"grad_sync={self.grad_sync!r}; use one of {GRAD_SYNCS}")
 
 
 def build_policy(config: BenchConfig):

@@ -4,8 +4,9 @@ group, the shared layout's worker sub-communicators, and the few collectives GRP
 ``DataParallel(None)`` is a single process: every method is local and nothing is counted.
 ``DataParallel("ddp", group)`` replicates the parameters (broadcast from the group's rank 0 at
 set-up, as ``DistributedDataParallel`` does) and sums the gradients of the ranks' rows with one
-flat all-reduce per update (``sync_gradients``): the per-sample gradient buffers of Reweight and
-the kept activations of Retain stay rank-local, and a gradient is only reduced once its samples'
+flat all-reduce per update (``sync_gradients``; Reweight with ``GRPOConfig.grad_sync="group"``:
+one per round of prompt groups): the per-sample gradient buffers of Reweight and the kept
+activations of Retain stay rank-local, and a gradient is only reduced once its samples'
 advantages are in it. Every collective the trainer issues goes through here, so their number and
 bytes are counted: ``sync_collectives`` / ``sync_bytes`` (gradient reductions) and
 ``other_collectives`` / ``other_bytes`` (rewards, checks, metrics).

@@ -512,7 +512,7 @@ class GRPOTrainer:
                 inference_flops=graph_flops(graph.inference, symbol, num_rows), **seconds))
         return self._cost_cache[key][1]
 
-    def _plans(self, keys, example, mask, schedule, in_flight=None):
+    def _plans(self, keys, example, mask, schedule, in_flight=None, held_grads: int = 0):
         """Plan the three schedules from the step's graphs, pick one (auto, with smaller
         partitioner budgets for retain when it does not fit)."""
         cfg = self.config
@@ -527,10 +527,7 @@ class GRPOTrainer:
             graph = self._graphs(self.lean_step(keys, partitioner_budget), example)
             costs = self._costs(graph, num_rows)
             call_bytes = max(graph.kept_bytes(n) for n in rows_per_step)
-            # fsdp reducing once per update holds the corrected full-size gradient beside
-            # the next group's buffers (grad_sync)
-            held = self.sharding is not None and not self._group_sync()
-            buffers = (samples_in_flight + (cfg.beta > 0) + held) * self._grad_bytes()
+            buffers = (samples_in_flight + (cfg.beta > 0) + held_grads) * self._grad_bytes()
             rows = reweight_rows_per_backward(
                 rows=max(rows_per_step), grad_bytes=self._grad_bytes(),
                 row_saved_bytes=graph.kept_bytes(1),
@@ -542,7 +539,7 @@ class GRPOTrainer:
                 samples_in_flight=samples_in_flight, grad_bytes=self._grad_bytes(),
                 with_kl=cfg.beta > 0, memory_budget_bytes=budget_bytes,
                 partitioner_budget=partitioner_budget, reweight_rows=rows,
-                held_grads=int(held)), graph
+                held_grads=held_grads), graph
 
         plans, graph = plans_for(None)
         if self.sequence_parallel is not None:
@@ -630,8 +627,12 @@ class GRPOTrainer:
         # batch when advantages wait for everyone: global_std, or groups scattered over ranks).
         in_flight = (plan_mask.shape[0] if layout == "scattered"
                      else max([len(u.rows) for u in units] + [1]))
+        # fsdp Reweight reducing once per update holds a group's corrected full-size gradient
+        # beside the next group's buffers (grad_sync)
+        held = int(self.sharding is not None and self._per_group("reweight", layout)
+                   and not self._group_sync() and len(units) > 1)
         schedule, reason, plans, partitioner_budget, budget_bytes = self._plans(
-            keys, example, plan_mask, schedule, in_flight=in_flight)
+            keys, example, plan_mask, schedule, in_flight=in_flight, held_grads=held)
         if par.distributed:
             # The ranks must run the same schedule (their collectives follow it): the most
             # frugal of their choices.

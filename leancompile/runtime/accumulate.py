@@ -32,18 +32,6 @@ permute, transpose, squeeze, unsqueeze: no copy, no offset) of a contiguous ``bm
 nothing else, and contiguous itself, so the buffer and the ``bmm`` output hold the same
 elements in the same order. Same products, one more addend in each sum: within rounding of
 adding afterwards (``baddbmm`` adds the buffer once to each finished dot product).
-
-Under Inductor the graph is compiled, and a compiled graph cannot write into a buffer it is
-given through an extern matmul (it would compute the matmul into a fresh output and copy it
-over). :func:`matmul_operands_out` splits the work instead: the compiled graph returns the two
-operands of each such weight-gradient ``bmm`` in place of its output (it computes everything
-else, fused as usual), and :class:`Accumulator` runs the ``baddbmm_`` into the buffer after it::
-
-    def rows_backward(saved_0, ..., shared_0, ...):       # compiled
-        ...
-        return (dy_t, x, grad_b)
-    buf_0.view(rows, out, in).baddbmm_(dy_t, x)           # Accumulator
-    buf_1.add_(grad_b)
 """
 
 from __future__ import annotations
@@ -51,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-__all__ = ["accumulating", "matmul_operands_out", "Accumulator"]
+__all__ = ["accumulating"]
 
 _aten = torch.ops.aten
 _VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.permute.default,
@@ -122,64 +110,3 @@ def accumulating(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     graph.eliminate_dead_code()
     result = fx.GraphModule(gm, graph)
     return result, fused
-
-
-def matmul_operands_out(gm: fx.GraphModule) -> tuple[fx.GraphModule, list]:
-    """A copy of ``gm`` (flat tuple of tensors or None out) whose outputs that are in-place
-    matmul candidates (as in :func:`accumulating`) are replaced by the ``bmm``'s two operands,
-    and the plan to add the outputs into buffers (:class:`Accumulator`): per original output,
-    None (no gradient), ``("bmm", shape)`` (two outputs: the operands, and the ``bmm``'s shape
-    to view the buffer as) or ``("add",)`` (one output, added)."""
-    graph = fx.Graph()
-    env: dict = {}
-    out_args = None
-    for node in gm.graph.nodes:
-        if node.op == "output":
-            out_args = node.args[0]
-            break
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    outs = list(out_args) if isinstance(out_args, (tuple, list)) else [out_args]
-    new_outs, plan = [], []
-    for out in outs:
-        if out is None:
-            plan.append(None)
-            continue
-        mm = _matmul_under_views(out)
-        if mm is not None:
-            new_outs += [env[mm.args[0]], env[mm.args[1]]]
-            plan.append(("bmm", tuple(_val(mm).shape)))
-        else:
-            new_outs.append(env[out])
-            plan.append(("add",))
-    graph.output(tuple(new_outs))
-    graph.eliminate_dead_code()
-    return fx.GraphModule(gm, graph), plan
-
-
-class Accumulator:
-    """Runs ``run`` (a compiled :func:`matmul_operands_out` graph) on the inputs and adds what
-    it returns into the buffers in place, following the plan: ``baddbmm_`` for the matmul
-    operands, one ``_foreach_add_`` for the rest. Called as ``acc(*inputs, *buffers)``; the
-    buffers are the non-None outputs' (None where the output is None), as for
-    :func:`accumulating`."""
-
-    def __init__(self, run, plan: list, num_inputs: int):
-        self.run, self.plan, self.num_inputs = run, plan, num_inputs
-        self.matmuls = sum(1 for p in plan if p is not None and p[0] == "bmm")
-
-    def __call__(self, *args) -> tuple:
-        outs = iter(self.run(*args[:self.num_inputs]))
-        buffers = args[self.num_inputs:]
-        adds, values = [], []
-        for buf, step in zip(buffers, self.plan):
-            if step is None:
-                continue
-            if step[0] == "bmm":
-                a, b = next(outs), next(outs)
-                buf.view(step[1]).baddbmm_(a, b)
-            else:
-                adds.append(buf)
-                values.append(next(outs))
-        if adds:
-            torch._foreach_add_(adds, values)
-        return ()
