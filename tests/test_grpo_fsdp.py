@@ -192,9 +192,9 @@ def _fsdp_worker(rank, world, init, out, kind):
         # no trained row at the first trained step).
         stale_cfg = GRPOConfig(sde="dance_grpo", eta=0.3, group_size=world, layout="shared",
                                timestep_fraction=0.75, global_std=True, schedule="reweight")
-        def stale_and_out_of_order(parallel):
+        def stale_and_out_of_order(parallel, cfg=stale_cfg):
             policy = copy.deepcopy(base)
-            tr = GRPOTrainer(policy, mean_latent_reward, None, stale_cfg, parallel=parallel)
+            tr = GRPOTrainer(policy, mean_latent_reward, None, cfg, parallel=parallel)
             pending = tr.rollout(conditions, torch.Generator().manual_seed(5))
             with torch.no_grad():
                 for name in tr.trainable:
@@ -209,6 +209,12 @@ def _fsdp_worker(rank, world, init, out, kind):
         single = from_rank(rank, 0, lambda: stale_and_out_of_order(None))
         report["stale_rel"] = [agreement(_full(f, shapes, world), s)[1]
                                for f, s in zip(stale_and_out_of_order("fsdp"), single)]
+        # The same with per-group statistics: Reweight trains and reduce-scatters each prompt
+        # group in the rollout (two rounds), then the stale update and the chunks recompute.
+        per_group_cfg = dataclasses.replace(stale_cfg, global_std=False)
+        single = from_rank(rank, 0, lambda: stale_and_out_of_order(None, per_group_cfg))
+        report["stale_rel"] += [agreement(_full(f, shapes, world), s)[1] for f, s in zip(
+            stale_and_out_of_order("fsdp", per_group_cfg), single)]
         # LoRA adapters sharded (lora_B random, so the policy is not its reference yet), with
         # the KL to the adapter-free reference: zero adapters at full size.
         from peft import LoraConfig, get_peft_model
