@@ -33,6 +33,11 @@ def _full(grads: dict, shapes: dict, world: int) -> dict:
     return out
 
 
+def _graph_key(extra: dict) -> tuple:
+    """Cases with equal keys share compiled steps (grad_sync changes no graph)."""
+    return tuple(sorted((k, v) for k, v in extra.items() if k != "grad_sync"))
+
+
 def _fsdp_worker(rank, world, init, out, kind):
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -90,8 +95,7 @@ def _fsdp_worker(rank, world, init, out, kind):
                                                             if k != "prompts"})
         case_conditions = conditions if prompts is None else base.example_conditions(
             prompts, generator=torch.Generator().manual_seed(1))
-        # grad_sync changes no graph: trainers that differ only in it share compiled steps
-        key = tuple(sorted((k, v) for k, v in extra.items() if k != "grad_sync"))
+        key = _graph_key(extra)
 
         def reference():
             single = GRPOTrainer(single_policy, mean_latent_reward, None, cfg)
@@ -103,8 +107,7 @@ def _fsdp_worker(rank, world, init, out, kind):
             return ref.grads, ref.rollout.rewards
 
         # Each step's references on one rank (the rank that compiles it), spread over ranks.
-        owner = list(dict.fromkeys(tuple(sorted((k, v) for k, v in c[2].items()
-                                                if k != "grad_sync")) for c in cases)).index(key)
+        owner = list(dict.fromkeys(_graph_key(c[2]) for c in cases)).index(key)
         ref_grads, ref_rewards = from_rank(rank, owner % world, reference)
         trainer = GRPOTrainer(sharded_policy, mean_latent_reward, None, cfg, parallel="fsdp")
         if key in compiled:

@@ -491,8 +491,9 @@ def format_table(report: dict) -> str:
     if cfg.get("parallel"):
         lines.append(f"data parallel: {cfg.get('world_size')} ranks ({cfg['parallel']}, shared "
                      f"layout, {cfg.get('prompts', 1)} prompt group(s), grad_sync="
-                     f"{cfg.get('grad_sync', 'auto')!r}); no eager row (the eager FlowGRPO loop here is single-process); "
-                     "ideal ratio from the full batch's F0, F, B on one rank")
+                     f"{cfg.get('grad_sync', 'auto')!r}); no eager row (the eager FlowGRPO loop "
+                     "here is single-process); ideal ratio from the full batch's F0, F, B on "
+                     "one rank")
     for compiler, part in by_compiler.items():
         if part["best_lean_schedule"]:
             lines.append(f"best lean schedule ({compiler}) by median "
@@ -527,7 +528,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
                    help="under torchrun: replicated (ddp) or sharded (fsdp) parameters")
-    p.add_argument("--grad-sync", default="auto", choices=("auto", "group", "update"),
+    from ..grpo.trainer import GRAD_SYNCS
+
+    p.add_argument("--grad-sync", default="auto", choices=GRAD_SYNCS,
                    help="under torchrun: Reweight's gradient reductions once per round of "
                         "prompt groups or once per update (GRPOConfig.grad_sync; auto: group "
                         "under fsdp)")

@@ -692,26 +692,21 @@ class GRPOTrainer:
         params = dict(self.policy.named_parameters())
         grads = [params[n] for n in self.trainable]
         buckets = len({(p.dtype, p.device) for p in grads})
-        out = {}
+        rounds = self._sync_rounds("reweight", st.layout, num_prompts=st.num_prompts,
+                                   seed=st.seed)
         trained_steps = int(st.mask.any(0).sum())
-        for schedule in SCHEDULES:
-            rounds = self._sync_rounds(schedule, st.layout, num_prompts=st.num_prompts,
-                                       seed=st.seed) or 1
-            if self.sharding is not None and schedule == "reweight":
-                full = sum(self.sharding.rows[n] * par.world_size * p[0].numel()
-                           * p.element_size() for n, p in zip(self.trainable, grads))
-                out[schedule] = (rounds * buckets, rounds * full)
-            elif self.sharding is not None:
-                count = nbytes = 0
-                for node in graph.backward_aten.graph.nodes:
-                    if node.op == "call_function" and "reduce_scatter_tensor" in str(node.target):
-                        val = node.args[0].meta.get("val")
-                        count += 1
-                        nbytes += val.numel() * val.element_size() if val is not None else 0
-                out[schedule] = (count * trained_steps, nbytes * trained_steps)
-            else:
-                full = sum(p.numel() * p.element_size() for p in grads)
-                out[schedule] = (rounds * buckets, rounds * full)
+        if self.sharding is not None:
+            # Recompute and Retain: the backward graph's own reductions, once per trained
+            # step; Reweight: every (padded) full gradient per round (or update).
+            count, nbytes = _backward_reductions(graph)
+            full = sum(self.sharding.rows[n] * par.world_size * p[0].numel() * p.element_size()
+                       for n, p in zip(self.trainable, grads))
+            out = {"recompute": (count * trained_steps, nbytes * trained_steps)}
+            out["retain"] = out["recompute"]
+        else:  # one all-reduce of every gradient per update (Reweight: per round)
+            full = sum(p.numel() * p.element_size() for p in grads)
+            out = {"recompute": (buckets, full), "retain": (buckets, full)}
+        out["reweight"] = (max(rounds, 1) * buckets, max(rounds, 1) * full)
         cfg = self.config
         kind = ("fsdp" if self.sharding is not None else "ddp" if self._sequence_sync is None
                 else "the sequence-parallel group's sum")
@@ -719,8 +714,6 @@ class GRPOTrainer:
         if self.sharding is not None:
             why.append("recompute and retain reduce-scatter in every backward, one per trained "
                        f"step ({trained_steps})")
-        rounds = self._sync_rounds("reweight", st.layout, num_prompts=st.num_prompts,
-                                   seed=st.seed)
         if rounds:
             why.append(f"reweight once per round of prompt groups ({rounds}; grad_sync="
                        f"{cfg.grad_sync!r})")
@@ -1007,6 +1000,19 @@ def _sequence_parallel_of(policy: nn.Module):
     return next(iter(found.values()), None)
 
 
+def _backward_reductions(graph) -> tuple[int, int]:
+    """The gradient reduce-scatters one run of the step's backward issues, and their bytes:
+    counted in the backward as AOTAutograd made it (FlashOverlap may have turned one into P2P
+    steps, which still reduce once)."""
+    count = nbytes = 0
+    for node in graph.backward_aten.graph.nodes:
+        if node.op == "call_function" and "reduce_scatter_tensor" in str(node.target):
+            val = node.args[0].meta.get("val")
+            count += 1
+            nbytes += val.numel() * val.element_size() if val is not None else 0
+    return count, nbytes
+
+
 def _gather_order(gm) -> list:
     """The shapes gathered by the all-gathers of a graph, in order."""
     out = []
@@ -1123,15 +1129,8 @@ class PendingUpdate:
         since the last count (the rollout's start, or the previous chunk's update; each update
         call runs one backward), and their bytes."""
         lean = self.setup.lean
-        count = nbytes = 0
-        # Counted in the backward as AOTAutograd made it: FlashOverlap may have turned a
-        # reduce-scatter into P2P steps, which still reduce once.
         graph = next((g for g in lean.graphs if g.backward_aten is not None), None)
-        for node in [] if graph is None else graph.backward_aten.graph.nodes:
-            if node.op == "call_function" and "reduce_scatter_tensor" in str(node.target):
-                val = node.args[0].meta.get("val")
-                count += 1
-                nbytes += val.numel() * val.element_size() if val is not None else 0
+        count, nbytes = (0, 0) if graph is None else _backward_reductions(graph)
         calls = lean.stats.backward_graphs_run - self._backwards_counted
         self._backwards_counted = lean.stats.backward_graphs_run
         return count * calls, nbytes * calls
