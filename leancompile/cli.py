@@ -61,6 +61,8 @@ def _cmd_explain(ns) -> int:
         options["overlap"] = ns.overlap
     if ns.variant:
         options["variant"] = ns.variant
+    if ns.bucket_cap_mb:
+        options["bucket_cap_mb"] = ns.bucket_cap_mb
     if ns.fake_world:
         from .sim.fullscale import fake_group
 
@@ -115,6 +117,8 @@ def _cmd_bench(ns) -> int:
         from .benchmarks.loop import main as bench_main
     elif ns.name == "compile":
         from .benchmarks.compile_overhead import main as bench_main
+    elif ns.name == "buckets":
+        from .benchmarks.buckets import main as bench_main
     elif ns.name == "soak":
         from .benchmarks.soak import main as bench_main
     else:
@@ -149,6 +153,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--overlap", choices=("flash", "slice"), help="turn on an overlap pass")
     p.add_argument("--variant", choices=("ring", "direct"))
+    p.add_argument("--bucket-cap-mb", type=float, metavar="MIB",
+                   help="turn on the bucketing pass: consecutive all-gathers / reduce-scatters "
+                        "merged into buckets of at most MIB")
     p.add_argument("--fake-world", type=int, metavar="N",
                    help="trace under a fake process group of N ranks (collectives without "
                         "a real job)")
@@ -167,7 +174,7 @@ def main(argv=None) -> int:
 
     b = sub.add_parser("bench", help="run a benchmark (leancompile bench grpo --help)",
                        add_help=False)
-    b.add_argument("name", choices=("grpo", "loop", "overlap", "compile", "soak"))
+    b.add_argument("name", choices=("grpo", "loop", "overlap", "compile", "soak", "buckets"))
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=_cmd_bench)
 

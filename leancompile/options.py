@@ -91,6 +91,14 @@ class CompileOptions:
     it does not rewrite) raises ``UnrewrittenCollectiveError`` listing every such site and its
     reason, instead of compiling the graph with that communication exposed."""
 
+    bucket_cap_mb: float | None = None
+    """Bucket the all-gathers and reduce-scatters the overlap pass leaves: consecutive ones of
+    one process group and dtype merged into one collective over a flat buffer of at most this
+    many MiB (``passes/bucket_collectives.py``), as ``DistributedDataParallel(bucket_cap_mb=)``
+    buckets its all-reduces; a sharded step's per-parameter gathers and gradient reductions
+    become a few large ones. None: off. Reductions over more than two ranks may then round
+    differently (the backend sums a larger buffer), so it is opt-in."""
+
     schedule: str | None = None
     """LeanGRPO schedule of a step wrapped by ``lean_compile(fn, schedule=...)``: ``auto``,
     ``retain``, ``reweight`` or ``recompute`` (see ``leancompile.step``); turns on the
@@ -146,6 +154,11 @@ class CompileOptions:
         if self.on_error not in _ON_ERROR_VALUES:
             raise ValueError(f"on_error={self.on_error!r} is not supported; use one of "
                              f"{_ON_ERROR_VALUES}")
+        if self.bucket_cap_mb is not None and (
+                isinstance(self.bucket_cap_mb, bool)
+                or not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb <= 0):
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be a number of MiB > 0 "
+                             "(or None: no bucketing)")
         if not isinstance(self.attention_split, bool):
             raise ValueError(f"attention_split={self.attention_split!r} must be True or False")
         if not isinstance(self.strict, bool):
@@ -201,4 +214,4 @@ class CompileOptions:
                 "chunks_per_rank": self.chunks_per_rank, "chunks": self.chunks,
                 "on_error": self.on_error, "schedule": self.schedule, "strict": self.strict,
                 "device": self.device, "overlap_sites": dict(self.overlap_sites),
-                "attention_split": self.attention_split}
+                "attention_split": self.attention_split, "bucket_cap_mb": self.bucket_cap_mb}

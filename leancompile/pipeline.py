@@ -212,6 +212,7 @@ def check_all_rewritten(gm: fx.GraphModule, results: list[PassResult], *, phase:
     """``CompileOptions(strict=True)``: raise ``UnrewrittenCollectiveError`` when ``gm`` still
     holds a collective after the passes, naming each with the reason its pass gave (or that no
     pass rewrites that kind of collective)."""
+    from .passes.bucket_collectives import META_KEY as BUCKET_META
     from .passes.flash_overlap import AUTO_KEPT_REASON
 
     reasons = {site.node: f"{result.name}: {site.reason}" for result in results
@@ -226,8 +227,11 @@ def check_all_rewritten(gm: fx.GraphModule, results: list[PassResult], *, phase:
         if namespace not in _COLLECTIVE_NAMESPACES or "wait_tensor" in str(node.target) or \
                 node.name in chosen:
             continue
-        why = reasons.get(node.name) or (
-            f"no leancompile pass rewrites {getattr(node.target, '__name__', node.target)}")
+        bucket = node.meta.get(BUCKET_META)
+        why = (f"bucket_collectives merged collectives the overlap pass left into it ({bucket}; "
+               "each member's reason is in the overlap pass's report)" if bucket else
+               reasons.get(node.name) or
+               f"no leancompile pass rewrites {getattr(node.target, '__name__', node.target)}")
         left.append(f"{node.name} ({node.target}): {why}")
     if left:
         raise UnrewrittenCollectiveError(

@@ -17,7 +17,8 @@ def test_explain_mlp_shows_forward_and_backward(compiler):
     forward, backward = report.graph("forward"), report.graph("backward")
     assert "aten.addmm" in forward.before and "aten.addmm" in forward.after
     assert "tangents_1" in backward.before and "tangents_1" in backward.after
-    assert [p.name for p in forward.passes] == ["canonicalize", "lean_grpo", "flash_overlap"]
+    assert [p.name for p in forward.passes] == ["canonicalize", "lean_grpo", "flash_overlap",
+                                                   "bucket_collectives"]
     assert forward.passes[1].disabled and forward.passes[2].disabled  # opt-in: no schedule=,
     # no overlap= given
     assert report is leancompile.last_report()
@@ -28,8 +29,9 @@ def test_explain_mlp_shows_forward_and_backward(compiler):
 def test_explain_aot_eager_reports_rewrites_with_op_diff():
     report = leancompile.explain(mlp(), torch.randn(4, 16), compiler="aot_eager")
     backward = report.graph("backward")
-    result, _, flash = backward.passes
+    result, _, flash, buckets = backward.passes
     assert flash.name == "flash_overlap" and flash.disabled
+    assert buckets.name == "bucket_collectives" and buckets.disabled
     views = backward.op_counts_before["aten.view.default"]
     assert views > 0
     assert sum(s.kind == "view->reshape" for s in result.rewritten) == views

@@ -38,6 +38,16 @@ def _graph_key(extra: dict) -> tuple:
     return tuple(sorted((k, v) for k, v in extra.items() if k != "grad_sync"))
 
 
+def _issued_reductions(graph) -> tuple[int, int]:
+    """The reductions one run of a step's backward graph (aot_eager: the graph the passes
+    rewrote) issues: its reduce-scatters, and those FlashOverlap turned into P2P steps."""
+    collectives = sum("reduce_scatter_tensor" in str(n.target)
+                      for n in graph.backward.graph.nodes)
+    flash = sum(site.kind == "mm+reduce_scatter"
+                for p in graph.report.pass_results("flash_overlap") for site in p.rewritten)
+    return collectives, flash
+
+
 def _fsdp_worker(rank, world, init, out, kind):
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(1)
@@ -63,7 +73,13 @@ def _fsdp_worker(rank, world, init, out, kind):
         cases += [("shared", "reweight", {"beta": 0.1}), ("shared", "retain", {"beta": 0.1}),
                   ("shared", "reweight", {"global_std": True}),
                   # one reduction for the whole update: the full-size gradient held to the end
-                  ("shared", "reweight", {"grad_sync": "update"})] if world == 2 else []
+                  ("shared", "reweight", {"grad_sync": "update"}),
+                  # one collective per parameter, not bucketed
+                  ("shared", "recompute", {"bucket_cap_mb": None}),
+                  ("shared", "retain", {"bucket_cap_mb": None}),
+                  # buckets of 1258 bytes: the parts (768 + 64, 512 + 16 bytes) gather in two,
+                  # the full gradients (1536, 128, 1024, 32) reduce in two or three
+                  ("shared", "retain", {"bucket_cap_mb": 0.0012})] if world == 2 else []
         # FlashOverlap on the same graphs: the weight gathers feeding matmuls and the weight
         # gradients feeding reduce-scatters become P2P schedules.
         cases += [("shared", s, {"overlap": "flash"}) for s in ("recompute", "retain",
@@ -138,6 +154,11 @@ def _fsdp_worker(rank, world, init, out, kind):
             "gathers": sum("all_gather_into_tensor" in o for o in ops),
             "reduce_scatters": sum("reduce_scatter_tensor" in o for o in ops),
             "reductions": sum("reduce_scatter_tensor" in o for o in unrewritten),
+            # what the backward graph that runs issues: its reduce-scatters (after bucketing),
+            # and those FlashOverlap turned into P2P steps (each still one reduction)
+            "backward_rs": _issued_reductions(graph)[0],
+            "flash_rs": _issued_reductions(graph)[1],
+            "bucket_cap_mb": cfg.bucket_cap_mb,
             "p2p": sum("p2p_start" in o for o in ops),
             "flash": "overlap" in extra,
             "report": str(graph.report),
@@ -187,9 +208,8 @@ def _fsdp_worker(rank, world, init, out, kind):
                                   schedule="retain")
         lean = pending.setup.lean
         counts = [pending.update(chunk=c).sync_collectives for c in (0, 1)]
-        reductions = sum("reduce_scatter_tensor" in str(n.target)
-                         for n in lean.graphs[0].backward_aten.graph.nodes)
-        report["chunk_syncs"] = counts + [reductions * lean.stats.backward_graphs_run]
+        report["chunk_syncs"] = counts + [sum(_issued_reductions(lean.graphs[0])) *
+                                          lean.stats.backward_graphs_run]
         # A parameter change between rollout and update, and chunks updated out of order:
         # every rank recomputes alike (DanceGRPO subsets, global-std Reweight: a rank may have
         # no trained row at the first trained step).
@@ -271,11 +291,21 @@ def _check(ranks):
                 assert "rewrote 2 x all_gather+mm" in report, report
                 assert "rewrote 2 x mm+reduce_scatter" in report, report
                 assert "only the bias of addmm" in report, report
-                assert entry["p2p"] > 0 and entry["gathers"] == entry["parameters"] - 2, entry
-            else:
-                # The gathers are in the forward graph, the reductions in the backward graph.
+                # ... and the two biases' gathers share a bucket
+                assert entry["p2p"] > 0 and entry["gathers"] == 1, entry
+            elif entry["bucket_cap_mb"] is None:
+                # The gathers are in the forward graph, the reductions in the backward graph,
+                # one per parameter.
                 assert entry["gathers"] == entry["parameters"], entry
+                assert entry["backward_rs"] == entry["reductions"], entry
                 assert entry["p2p"] == 0, entry
+            elif entry["bucket_cap_mb"] >= 1:
+                # Bucketed (default 25 MiB): every gather in one, every reduction in one.
+                assert (entry["gathers"], entry["backward_rs"]) == (1, 1), entry
+                assert "bucket_collectives: " in entry["report"], entry["report"]
+            else:  # a cap below the parameters' bytes: several buckets of each
+                assert 1 < entry["gathers"] < entry["parameters"], entry
+                assert 1 < entry["backward_rs"] < entry["reductions"], entry
             assert 0 < entry["reductions"] <= entry["parameters"], entry
             assert entry["predicted_syncs"] == [entry["syncs"], entry["sync_bytes"]], entry
             if schedule == "reweight":
@@ -287,7 +317,8 @@ def _check(ranks):
                 assert entry["backwards"] == 0, entry
             else:
                 assert entry["backwards"] > 0, entry
-                assert entry["syncs"] == entry["reductions"] * entry["backwards"], entry
+                assert entry["syncs"] == (entry["backward_rs"] + entry["flash_rs"]) * \
+                    entry["backwards"], entry
 
 
 def test_fsdp_four_ranks_every_layout_and_schedule_equals_one_process(tmp_path):

@@ -101,8 +101,9 @@ def _cpu_bypasses():
     parallel_dims.device_type = "cpu"
 
 
-def _llama3_config():
-    """torchtitan's ``_debugmodel`` (llama3/__init__.py) with smaller numbers, SDPA inside."""
+def _llama3_config(tensor_parallel=True):
+    """torchtitan's ``_debugmodel`` (llama3/__init__.py) with smaller numbers, SDPA inside
+    (``tensor_parallel``: with its TP+SP sharding config)."""
     from torchtitan.models.common import (ComplexRoPE, Embedding, Linear, RMSNorm,
                                           compute_ffn_hidden_dim)
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -126,7 +127,8 @@ def _llama3_config():
             attn_backend="flex"))
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    set_llama3_sharding_config(config, enable_sp=True)
+    if tensor_parallel:
+        set_llama3_sharding_config(config, enable_sp=True)
     return config
 
 
@@ -277,3 +279,108 @@ def test_llama3_tp_sp_sites_and_values(ranks, case):
             rewritten = [AG, AG, SPLIT, RS] if graph["phase"] == "forward" else [AG, AG, RS, RS]
             want = {"rewritten": rewritten, "skipped": [], "collectives_left": {}}
             assert {k: graph[k] for k in want} == want, (rank, graph)
+
+
+# -- SimpleFSDP: bucketed gathers and reduce-scatters -----------------------------------------
+
+FSDP_CASES = [("aot_eager", "float32"), ("aot_eager", "bfloat16"), ("inductor", "bfloat16")]
+AG_OP = "_c10d_functional.all_gather_into_tensor.default"
+RS_OP = "_c10d_functional.reduce_scatter_tensor.default"
+
+
+def _simple_fsdp_step(rank, compiler, param_dtype, cap):
+    """torchtitan's SimpleFSDP (``graph_trainer.simple_fsdp.data_parallel``, ``fully_shard``,
+    its ``MixedPrecisionPolicy``: parameters gathered in ``param_dtype``, gradients reduced in
+    fp32) on the shrunk Llama3, the whole model compiled with leancompile's backend; one
+    forward + backward. Returns the loss, the local gradients and the graphs' collectives."""
+    import leancompile
+    import torchtitan.experiments.graph_trainer.simple_fsdp as simple_fsdp
+    from torch.distributed.device_mesh import DeviceMesh
+    from torchtitan.experiments.graph_trainer.simple_fsdp import (MixedPrecisionPolicy,
+                                                                  data_parallel)
+
+    torch._dynamo.reset()
+    # SimpleFSDP caches its wrapper classes by (module class, parameter names), each closing
+    # over the first parametrization made: a second model with another mixed-precision policy
+    # in the same process would silently gather with the first one's dtype.
+    simple_fsdp._wrap_class_cache.clear()
+    torch.manual_seed(1234)
+    model = _llama3_config(tensor_parallel=False).build()
+    model.init_weights(buffer_device=None)
+    model = data_parallel(model, DeviceMesh("cpu", [0, 1]), mode="fully_shard",
+                          mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype),
+                                                         reduce_dtype=torch.float32))
+    options = {} if cap is None else {"bucket_cap_mb": cap}
+    compiled = torch.compile(model, backend=leancompile.backend(compiler=compiler, **options))
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(
+        7 + rank))
+    loss = compiled(tokens).float().pow(2).mean()
+    loss.backward()
+    graphs = {r.phase: {"ag": r.op_counts_after.get(AG_OP, 0),
+                        "rs": r.op_counts_after.get(RS_OP, 0),
+                        "notes": [n for p in r.passes if p.name == "bucket_collectives"
+                                  for n in p.notes],
+                        "skipped": [str(site) for p in r.passes if p.name == "bucket_collectives"
+                                    for site in p.skipped]}
+              for r in leancompile.last_report().graphs}
+    grads = {n: p.grad.to_local().detach().clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads, graphs
+
+
+def _fsdp_worker(rank, init_file, out_dir):
+    _cpu_bypasses()
+    torch._inductor.config.fx_graph_cache = False  # a cache hit runs no pass: no report
+    torch._functorch.config.enable_autograd_cache = False
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    records = {}
+    try:
+        for compiler, dtype in FSDP_CASES:
+            name = f"{compiler}-{dtype}"
+            try:
+                base_loss, base_grads, base_graphs = _simple_fsdp_step(rank, compiler, dtype,
+                                                                       None)
+                loss, grads, graphs = _simple_fsdp_step(rank, compiler, dtype, 25.0)
+                records[name] = {
+                    "loss_equal": bool(torch.equal(loss, base_loss)),
+                    "grads_equal": {n: bool(torch.equal(grads[n], g))
+                                    for n, g in base_grads.items()},
+                    "base": base_graphs, "bucketed": graphs}
+            except Exception:
+                records[name] = {"error": traceback.format_exc()}
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(records, f)
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("simple_fsdp")
+    spawn(_fsdp_worker, args=(str(out / "init"), str(out)), nprocs=2, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", FSDP_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_simple_fsdp_llama3_collectives_bucketed_bitwise(fsdp_ranks, case):
+    """SimpleFSDP gathers each of the 17 parameters in its own all-gather (after a cast to the
+    parameter dtype under mixed precision, which the pass moves up) and reduce-scatters each
+    gradient; with ``bucket_cap_mb=25`` one forward all-gather and one backward reduce-scatter
+    remain, and the loss and every gradient are bitwise those of the unbucketed compile (two
+    ranks sum one pair of values whatever the buffer)."""
+    name = f"{case[0]}-{case[1]}"
+    for rank, records in enumerate(fsdp_ranks):
+        rec = records[name]
+        assert "error" not in rec, f"rank {rank}:\n{rec.get('error')}"
+        assert rec["loss_equal"] and all(rec["grads_equal"].values()), (rank, rec)
+        assert len(rec["grads_equal"]) == 17
+        base, bucketed = rec["base"], rec["bucketed"]
+        assert (base["forward"]["ag"], base["backward"]["rs"]) == (17, 17), base
+        assert (bucketed["forward"]["ag"], bucketed["backward"]["rs"]) == (1, 1), bucketed
+        assert bucketed["forward"]["skipped"] == bucketed["backward"]["skipped"] == []
+        assert bucketed["forward"]["notes"] == [
+            f"all_gather of 17 tensors, {'320.62' if case[1] == 'float32' else '160.31'} KiB, "
+            f"torch.{case[1]}, group '0' of 2 ranks"], bucketed
+        assert bucketed["backward"]["notes"] == [
+            "reduce_scatter of 17 tensors, 641.25 KiB (sum), torch.float32, group '0' of 2 "
+            "ranks"], bucketed

@@ -77,6 +77,9 @@ class BenchConfig:
     """Under torchrun (more than one rank): ``ddp`` or ``fsdp`` (``GRPOTrainer(parallel=)``)."""
     grad_sync: str = "auto"
     """Under torchrun: when Reweight reduces its gradients (``GRPOConfig.grad_sync``)."""
+    bucket_cap_mb: float | None = 25.0
+    """Under torchrun with ``fsdp``: the step graphs' collectives bucketed to this many MiB
+    (``GRPOConfig.bucket_cap_mb``; None: one per parameter)."""
     compiler: str = "aot_eager"
     """The compiler of the report's top-level rows. With ``compilers`` given, it is set to the
     first of them."""
@@ -112,6 +115,8 @@ class BenchConfig:
 
         if self.grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync={self.grad_sync!r}; use one of {GRAD_SYNCS}")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be > 0 (or None)")
 
 
 def build_policy(config: BenchConfig):
@@ -317,7 +322,8 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
     parallel = config.parallel if world > 1 else None
     trainers = {c: GRPOTrainer(policy, mean_latent_reward, None, GRPOConfig(
         sde=sde, eta=0.3 if sde == "dance_grpo" else 0.9, group_size=config.group_size,
-        timestep_fraction=config.fraction, compiler=c, grad_sync=config.grad_sync),
+        timestep_fraction=config.fraction, compiler=c, grad_sync=config.grad_sync,
+        bucket_cap_mb=config.bucket_cap_mb),
         parallel=parallel)
         for c in config.compilers}
     grpo_config = trainers[config.compiler].config
@@ -491,7 +497,9 @@ def format_table(report: dict) -> str:
     if cfg.get("parallel"):
         lines.append(f"data parallel: {cfg.get('world_size')} ranks ({cfg['parallel']}, shared "
                      f"layout, {cfg.get('prompts', 1)} prompt group(s), grad_sync="
-                     f"{cfg.get('grad_sync', 'auto')!r}); no eager row (the eager FlowGRPO loop "
+                     f"{cfg.get('grad_sync', 'auto')!r}"
+                     + (f", bucket_cap_mb={cfg.get('bucket_cap_mb')}" if cfg["parallel"] == "fsdp"
+                        else "") + "); no eager row (the eager FlowGRPO loop "
                      "here is single-process); ideal ratio from the full batch's F0, F, B on "
                      "one rank")
     for compiler, part in by_compiler.items():
@@ -534,6 +542,10 @@ def main(argv=None) -> int:
                    help="under torchrun: Reweight's gradient reductions once per round of "
                         "prompt groups or once per update (GRPOConfig.grad_sync; auto: group "
                         "under fsdp)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="under torchrun with --parallel fsdp: merge the step graphs' "
+                        "all-gathers and reduce-scatters into buckets of this many MiB "
+                        "(GRPOConfig.bucket_cap_mb; 0: one collective per parameter)")
     p.add_argument("--compiler", default=None, choices=COMPILERS,
                    help="compiler of the schedules (default aot_eager)")
     p.add_argument("--compilers", default=None,
@@ -557,6 +569,7 @@ def main(argv=None) -> int:
                              latent=ns.latent, prompts=ns.prompts, group_size=ns.group_size,
                              fraction=ns.fraction, repeats=ns.repeats, parallel=ns.parallel,
                              grad_sync=ns.grad_sync, compiler=compilers[0],
+                             bucket_cap_mb=ns.bucket_cap_mb or None,
                              compilers=compilers)
     except ValueError as error:
         p.error(str(error))

@@ -34,6 +34,7 @@ from ..options import CompileOptions
 from ..passes.lean_grpo import (SCHEDULES, SchedulePlan, ScheduleReport, StepCosts,
                                 build_schedule_plans, choose_schedule, graph_flops,
                                 reweight_rows_per_backward)
+from ..passes.result import format_bytes
 from ..step import LeanStep, StepConfig, free_memory_bytes
 from .advantages import AdvantageConfig, group_advantages, group_ids_for
 from .rewards import check_rewards
@@ -114,6 +115,12 @@ class GRPOConfig:
     ``conventional`` (whole prompt groups per rank, as DanceGRPO) or ``scattered`` (group
     members spread over the ranks, as FlowGRPO). No effect in one process; the gradients do
     not depend on it."""
+    bucket_cap_mb: float | None = 25.0
+    """``parallel="fsdp"``: the step graphs' per-parameter all-gathers and gradient
+    reduce-scatters are merged into buckets of at most this many MiB
+    (``CompileOptions.bucket_cap_mb``, ``passes/bucket_collectives.py``), as
+    ``DistributedDataParallel`` buckets its all-reduces (same default); None: one collective per
+    parameter. No effect otherwise."""
     grad_sync: str = "auto"
     """When data-parallel Reweight reduces its corrected gradients over the ranks (once a
     group's advantages are in them; the gradients are the same either way): ``group`` (one
@@ -160,6 +167,11 @@ class GRPOConfig:
                              "(CompileOptions.overlap)")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r}; use one of {LAYOUTS}")
+        if self.bucket_cap_mb is not None and (
+                isinstance(self.bucket_cap_mb, bool)
+                or not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb <= 0):
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be a number of MiB > 0 "
+                             "or None (one collective per parameter)")
         if self.grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync={self.grad_sync!r}; use one of {GRAD_SYNCS}")
 
@@ -432,8 +444,9 @@ class GRPOTrainer:
             ddp = isinstance(self.policy, torch.nn.Module) and any(
                 isinstance(m, DistributedDataParallel) for m in self.policy.modules())
             self._steps[key] = LeanStep(
-                module, options=CompileOptions(compiler=cfg.compiler, schedule="auto",
-                                               overlap=cfg.overlap),
+                module, options=CompileOptions(
+                    compiler=cfg.compiler, schedule="auto", overlap=cfg.overlap,
+                    bucket_cap_mb=cfg.bucket_cap_mb if self.sharding is not None else None),
                 config=StepConfig(schedule="retain", partitioner_budget=partitioner_budget,
                                   sample_output=0, sample_arg="prev_sample",
                                   zero_grads=ddp, defer_reductions=self.sharding is not None,
@@ -712,8 +725,11 @@ class GRPOTrainer:
                 else "the sequence-parallel group's sum")
         why = [f"{kind} over {par.world_size} ranks"]
         if self.sharding is not None:
-            why.append("recompute and retain reduce-scatter in every backward, one per trained "
-                       f"step ({trained_steps})")
+            per = (f"{count} bucketed reduce-scatter(s) of {format_bytes(nbytes)} "
+                   f"(bucket_cap_mb={cfg.bucket_cap_mb:g})" if cfg.bucket_cap_mb is not None
+                   else f"{count} reduce-scatter(s), one per parameter")
+            why.append(f"recompute and retain reduce-scatter in every backward ({per}), one "
+                       f"backward per trained step ({trained_steps})")
         if rounds:
             why.append(f"reweight once per round of prompt groups ({rounds}; grad_sync="
                        f"{cfg.grad_sync!r})")
@@ -765,8 +781,8 @@ class GRPOTrainer:
         calls must agree (they do by construction; compared across the ranks all the same,
         before the rollout, as a cheap guard against a rank drawing something else)."""
         graph = self._graphs(self.lean_step(keys, partitioner_budget), example)
-        orders = {name: _gather_order(gm) for name, gm in (("forward", graph.forward),
-                                                           ("inference", graph.inference))
+        orders = {name: _gather_order(gm, graph.report, name)
+                  for name, gm in (("forward", graph.forward), ("inference", graph.inference))
                   if gm is not None}
         if len(set(map(tuple, orders.values()))) > 1:
             raise RuntimeError(
@@ -1003,23 +1019,42 @@ def _sequence_parallel_of(policy: nn.Module):
 def _backward_reductions(graph) -> tuple[int, int]:
     """The gradient reduce-scatters one run of the step's backward issues, and their bytes:
     counted in the backward as AOTAutograd made it (FlashOverlap may have turned one into P2P
-    steps, which still reduce once)."""
+    steps, which still reduce once), less those the bucketing pass merged into one per
+    bucket (its report on the backward graph)."""
     count = nbytes = 0
     for node in graph.backward_aten.graph.nodes:
         if node.op == "call_function" and "reduce_scatter_tensor" in str(node.target):
             val = node.args[0].meta.get("val")
             count += 1
             nbytes += val.numel() * val.element_size() if val is not None else 0
-    return count, nbytes
+    merged, buckets = _bucketed(graph, "backward").get("reduce_scatter", (0, 0))
+    return count - merged + buckets, nbytes
 
 
-def _gather_order(gm) -> list:
-    """The shapes gathered by the all-gathers of a graph, in order."""
+def _bucketed(graph, phase: str) -> dict[str, tuple[int, int]]:
+    """What the bucketing pass merged in the step's ``phase`` graph:
+    ``{kind: (collectives, buckets)}`` (``bucket_collectives.merged_counts``)."""
+    from ..passes.bucket_collectives import NAME, merged_counts
+
+    report = graph.report
+    results = [] if report is None else [p for r in report.graphs if r.phase == phase
+                                         for p in r.passes if p.name == NAME]
+    return merged_counts(results[0]) if results else {}
+
+
+def _gather_order(gm, report=None, phase: str = "") -> list:
+    """The shapes gathered by the all-gathers of a graph, in order, then the buckets the
+    bucketing pass made of them (``report``: the step's, for the ``phase`` graph)."""
     out = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and "all_gather_into_tensor" in str(node.target):
             val = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
             out.append(tuple(val.shape) if val is not None else None)
+    from ..passes.bucket_collectives import NAME
+
+    if report is not None:
+        out += [note for r in report.graphs if r.phase == phase for p in r.passes
+                if p.name == NAME for note in p.notes if note.startswith("all_gather")]
     return out
 
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import canonicalize, flash_overlap, lean_grpo
+from . import bucket_collectives, canonicalize, flash_overlap, lean_grpo
+from .bucket_collectives import bucket_collectives_pass
 from .canonicalize import canonicalize_pass
 from .flash_overlap import flash_overlap_pass
 from .lean_grpo import lean_grpo_pass
 from .result import PassResult, Site
 
 __all__ = ["PassSpec", "PASSES", "pass_names", "canonicalize_pass", "flash_overlap_pass",
-           "lean_grpo_pass", "PassResult", "Site"]
+           "lean_grpo_pass", "bucket_collectives_pass", "PassResult", "Site"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +50,13 @@ PASSES: tuple[PassSpec, ...] = (
              doc="FlashOverlap (overlap='flash'|'slice'): collectives around matmuls to P2P "
                  "schedules", module_file=flash_overlap.__file__,
              active=lambda options: options.overlap is not None),
+    # After FlashOverlap: it buckets the collectives FlashOverlap left as they were.
+    PassSpec(name=bucket_collectives.NAME, fn=bucket_collectives_pass,
+             version=bucket_collectives.VERSION,
+             doc="bucketed collectives (bucket_cap_mb=...): consecutive all-gathers or "
+                 "reduce-scatters of one group merged into one",
+             module_file=bucket_collectives.__file__,
+             active=lambda options: options.bucket_cap_mb is not None),
 )
 
 

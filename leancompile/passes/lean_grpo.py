@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .result import PassResult
+from .result import PassResult, format_bytes
 
 __all__ = ["PlanOp", "SchedulePlan", "StepCosts", "ScheduleReport", "build_schedule_plans",
            "choose_schedule", "reweight_rows_per_backward", "graph_flops", "lean_grpo_pass", "SCHEDULES", "VERSION", "NAME"]
@@ -163,7 +163,7 @@ class SchedulePlan:
     def describe(self, baseline_flops: int | None = None) -> str:
         relative = (f" ({self.flops / baseline_flops:.2f}x recompute's)"
                     if baseline_flops else "")
-        lines = [f"schedule {self.name}: peak extra memory {_fmt_bytes(self.peak_bytes)}, "
+        lines = [f"schedule {self.name}: peak extra memory {format_bytes(self.peak_bytes)}, "
                  f"~{self.flops / 1e9:.3f} GFLOP{relative}"
                  + (f", predicted {self.seconds * 1e3:.2f} ms" if self.seconds is not None
                     else "")
@@ -174,14 +174,6 @@ class SchedulePlan:
         if self.note:
             lines.append(f"  note: {self.note}")
         return "\n".join(lines)
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def graph_flops(gm, batch_symbol, batch: int) -> int:
@@ -347,13 +339,13 @@ def choose_schedule(plans: dict[str, SchedulePlan]) -> tuple[str, str]:
                                f"{'' if p.fits else ' (does not fit)'}"
                                for p in plans.values()) + ")")
     if retain.fits:
-        return "retain", (f"retain keeps {_fmt_bytes(retain.peak_bytes)} of activations, within"
+        return "retain", (f"retain keeps {format_bytes(retain.peak_bytes)} of activations, within"
                           " the memory budget; it is exact and skips the update forward")
     if reweight.fits:
-        return "reweight", (f"retain needs {_fmt_bytes(retain.peak_bytes)}, over the budget; "
-                            f"reweight's gradient buffers need {_fmt_bytes(reweight.peak_bytes)}")
-    return "recompute", (f"neither retain ({_fmt_bytes(retain.peak_bytes)}) nor reweight "
-                         f"({_fmt_bytes(reweight.peak_bytes)}) fits the memory budget")
+        return "reweight", (f"retain needs {format_bytes(retain.peak_bytes)}, over the budget; "
+                            f"reweight's gradient buffers need {format_bytes(reweight.peak_bytes)}")
+    return "recompute", (f"neither retain ({format_bytes(retain.peak_bytes)}) nor reweight "
+                         f"({format_bytes(reweight.peak_bytes)}) fits the memory budget")
 
 
 @dataclass(kw_only=True)
@@ -383,8 +375,8 @@ class ScheduleReport:
         lines = [
             f"LeanGRPO schedules: batch {self.batch}, {self.num_steps} steps, "
             f"{self.selected_per_sample} trained per sample; one forward(save) keeps "
-            f"{_fmt_bytes(self.saved_bytes_per_call)}; memory budget "
-            f"{_fmt_bytes(self.memory_budget_bytes)}",
+            f"{format_bytes(self.saved_bytes_per_call)}; memory budget "
+            f"{format_bytes(self.memory_budget_bytes)}",
             "captured graphs: " + ", ".join(f"{k} {v} nodes" for k, v in
                                             self.graph_nodes.items()),
         ]
@@ -394,7 +386,7 @@ class ScheduleReport:
         lines.append(f"-> {self.chosen}: {self.reason}")
         if self.gradient_sync:
             lines.append("gradient reductions per update: " + ", ".join(
-                f"{name} {count} ({_fmt_bytes(nbytes)})"
+                f"{name} {count} ({format_bytes(nbytes)})"
                 for name, (count, nbytes) in self.gradient_sync.items())
                 + f" [{self.gradient_sync_note}]")
         if self.pipeline is not None:

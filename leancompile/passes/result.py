@@ -7,7 +7,7 @@ import contextvars
 import dataclasses
 from dataclasses import dataclass, field
 
-__all__ = ["Site", "PassResult", "recompile", "recompile_deferred"]
+__all__ = ["Site", "PassResult", "recompile", "recompile_deferred", "format_bytes"]
 
 _DEFERRED = contextvars.ContextVar("leancompile_recompile_deferred", default=False)
 
@@ -19,6 +19,15 @@ def recompile(gm) -> None:
     passes); regenerating it after every pass was a third of the pipeline's own time."""
     if not _DEFERRED.get():
         gm.recompile()
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes for a report line: ``"512 B"``, ``"1.50 MiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
 
 
 @contextlib.contextmanager

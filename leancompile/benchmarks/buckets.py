@@ -1,0 +1,157 @@
+"""``leancompile bench buckets`` (under torchrun): ``GRPOTrainer(parallel="fsdp")`` with the step
+graphs' collectives bucketed (``GRPOConfig(bucket_cap_mb=...)``) against one collective per
+parameter, measured in one run.
+
+The bench's FLUX policy (``bench grpo``'s sizes) is sharded once per variant (two copies of one
+initialisation); every schedule of every variant computes the gradients of the same batch,
+interleaved over ``rounds`` rounds (the variants' order alternates from round to round; min and
+median printed). Per schedule: seconds per ``compute_gradients`` (rollout and update), the
+speedup of the buckets, the gradient reductions per step (``GradResult.sync_collectives``),
+the all-gathers one forward of the step issues, and the relative L2 distance of the bucketed
+gradients to the per-parameter ones (largest over the ranks).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import sys
+
+import torch
+
+__all__ = ["run_bucket_bench", "main"]
+
+_AG = "_c10d_functional.all_gather_into_tensor.default"
+
+
+def _gathers_per_forward(trainer) -> int:
+    """All-gathers in the forward graph of the trainer's step, after the passes."""
+    counts = [r.op_counts_after.get(_AG, 0) for step in trainer._steps.values()
+              for g in step.graphs if g.report is not None for r in g.report.graphs
+              if r.phase == "forward"]
+    return max(counts, default=0)
+
+
+def run_bucket_bench(*, cap_mb: float = 25.0, rounds: int = 3, steps: int = 4, layers: int = 2,
+                     hidden: int = 256, latent: int = 32,
+                     schedules: tuple[str, ...] = ("recompute", "retain", "reweight"),
+                     compiler: str = "aot_eager", log=print) -> dict:
+    import torch.distributed as dist
+
+    from ..grpo.trainer import GRPOConfig, GRPOTrainer
+    from .grpo import BenchConfig, _flat, build_policy, mean_latent_reward
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        raise SystemExit("leancompile bench buckets runs under torchrun with 2 or more ranks, "
+                         "e.g. torchrun --nproc-per-node 2 -m leancompile.cli bench buckets")
+    if not cap_mb > 0:
+        raise ValueError(f"cap_mb={cap_mb!r} must be > 0")
+    bench = BenchConfig(steps=steps, layers=layers, hidden=hidden, latent=latent)
+    base = build_policy(bench)
+    conditions = base.example_conditions(1, torch.Generator().manual_seed(1),
+                                         sequence_length=bench.text_length)
+    variants = {"per-parameter": None, f"buckets of {cap_mb:g} MiB": cap_mb}
+    trainers = {name: GRPOTrainer(copy.deepcopy(base), mean_latent_reward, None, GRPOConfig(
+        sde="flow_grpo", eta=0.9, group_size=bench.group_size, compiler=compiler,
+        bucket_cap_mb=cap), parallel="fsdp") for name, cap in variants.items()}
+
+    def run(name, schedule):
+        return trainers[name].compute_gradients(
+            conditions, torch.Generator().manual_seed(7), schedule=schedule)
+
+    rows = [(name, s) for s in schedules for name in variants]
+    for row in rows:
+        log(f"[bench] {row[0]}/{row[1]}: warm-up (captures and compiles the graphs)")
+        run(*row)
+    times = {row: [] for row in rows}
+    syncs, grads = {}, {}
+    for i in range(rounds):
+        for s in schedules:
+            names = list(variants) if i % 2 == 0 else list(reversed(variants))
+            for name in names:
+                result = run(name, s)
+                times[name, s].append(result.rollout_seconds + result.update_seconds)
+                syncs[name, s] = result.sync_collectives
+                grads[name, s] = _flat(result.grads)
+                del result
+                log(f"[bench] round {i + 1} {name}/{s}: {times[name, s][-1]:.3f} s")
+    plain, bucketed = variants
+    out = {}
+    for s in schedules:
+        a, b = times[plain, s], times[bucketed, s]
+        diff = (grads[bucketed, s] - grads[plain, s]).norm() / grads[plain, s].norm().clamp_min(
+            1e-30)
+        rel = torch.tensor([float(diff)])
+        dist.all_reduce(rel, op=dist.ReduceOp.MAX)
+        out[s] = {name: {"median_s": statistics.median(times[name, s]),
+                         "min_s": min(times[name, s]), "reductions": syncs[name, s],
+                         "gathers_per_forward": _gathers_per_forward(trainers[name])}
+                  for name in variants}
+        out[s]["speedup"] = statistics.median(a) / statistics.median(b)
+        out[s]["speedup_min"] = min(a) / min(b)
+        out[s]["grad_rel_l2"] = float(rel)
+    return {"config": {"cap_mb": cap_mb, "rounds": rounds, "steps": steps, "layers": layers,
+                       "hidden": hidden, "latent": latent, "compiler": compiler,
+                       "world_size": dist.get_world_size(),
+                       "backend": dist.get_backend(), "threads": torch.get_num_threads()},
+            "variants": list(variants), "schedules": out}
+
+
+def format_table(report: dict) -> str:
+    cfg = report["config"]
+    plain, bucketed = report["variants"]
+    lines = [f"fsdp over {cfg['world_size']} ranks ({cfg['backend']}, {cfg['compiler']}), "
+             f"bench FLUX {cfg['layers']}+{cfg['layers']} blocks, hidden {cfg['hidden']}, "
+             f"{cfg['steps']} steps; {cfg['rounds']} interleaved rounds",
+             f"{'schedule':10s} {'variant':22s} {'median s':>9s} {'min s':>7s} "
+             f"{'reductions':>10s} {'gathers/fwd':>11s}"]
+    for s, entry in report["schedules"].items():
+        for name in (plain, bucketed):
+            e = entry[name]
+            lines.append(f"{s:10s} {name:22s} {e['median_s']:9.3f} {e['min_s']:7.3f} "
+                         f"{e['reductions']:10d} {e['gathers_per_forward']:11d}")
+        lines.append(f"{'':10s} {'speedup':22s} {entry['speedup']:8.2f}x "
+                     f"{entry['speedup_min']:6.2f}x   (median, min); gradients rel L2 "
+                     f"{entry['grad_rel_l2']:.1e}")
+    lines.append("reductions: gradient reduce-scatters (or bucketed ones) per compute_gradients "
+                 "call; gathers/fwd: all-gathers in one forward of the step graph")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import argparse
+    import os
+
+    import torch.distributed as dist
+
+    p = argparse.ArgumentParser(prog="leancompile bench buckets", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cap-mb", type=float, default=25.0, help="bucket cap in MiB")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--latent", type=int, default=32)
+    p.add_argument("--schedules", default="recompute,retain,reweight")
+    p.add_argument("--compiler", default="aot_eager", choices=("aot_eager", "inductor"))
+    p.add_argument("--json", action="store_true")
+    ns = p.parse_args(argv)
+    joined = False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        joined = True
+    quiet = dist.is_initialized() and dist.get_rank() != 0
+    log = (lambda *a: None) if quiet else \
+        (lambda *a: print(*a, file=sys.stderr)) if ns.json else print
+    try:
+        report = run_bucket_bench(cap_mb=ns.cap_mb, rounds=ns.rounds, steps=ns.steps,
+                                  layers=ns.layers, hidden=ns.hidden, latent=ns.latent,
+                                  schedules=tuple(ns.schedules.split(",")),
+                                  compiler=ns.compiler, log=log)
+    finally:
+        if joined:
+            dist.destroy_process_group()
+    if not quiet:
+        print(json.dumps(report, indent=2) if ns.json else format_table(report))
+    return 0
