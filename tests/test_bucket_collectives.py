@@ -125,6 +125,17 @@ def test_rewritten_graph_and_symbolic_sizes():
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     assert [tuple(o.meta["val"].shape) for o in out[1:]] == [(2, 2), (3,)]
 
+    # Issued where the first member was, not at the top of the graph (the parameters are
+    # inputs: issued there, every bucket would hold its full tensors from the start)
+    def late(x, a, b):
+        y = x.relu()
+        return y.sum() + _gather(a).sum() + (y * _gather(b)).sum()
+
+    gm = make_fx(late, tracing_mode="fake")(torch.randn(4), torch.randn(2), torch.randn(2))
+    bucket_collectives_pass(gm, CompileOptions(bucket_cap_mb=1))
+    order = [str(n.target) for n in gm.graph.nodes]
+    assert order.count(AG) == 1 and order.index("aten.relu.default") < order.index(AG)
+
     # Symbolic sizes: left alone, with the reason
     _, buckets, skipped = _bucket(lambda a, b: _gather(a).sum() + _gather(b).sum(),
                                   torch.randn(4), torch.randn(4), mode="symbolic")

@@ -43,9 +43,11 @@ numbers), finds the same buckets and issues them in the same order. The reduced 
 views of one buffer, disjoint (as ``DistributedDataParallel(gradient_as_bucket_view=True)``
 hands out its gradients); the gathered results are copies.
 
-Where each bucket goes: its collective right after the last of its inputs is computed, its wait
-and the unpacking right before the first read of any member's result (between the two, an
-asynchronous backend overlaps the transfer with the graph's compute). A collective joins the
+Where each bucket goes: its collective where its first member was issued (or right after the
+last of its inputs is computed, if later), its wait and the unpacking right before the first
+read of any member's result (between the two, an asynchronous backend overlaps the transfer
+with the graph's compute). A gathered bucket's full tensors live from its collective to their
+last reader, so no bucket is issued earlier than its first member was. A collective joins the
 open bucket of its kind, process group, dtype and reduction only if its input exists before
 that bucket's first read (an input computed later, such as a cast of the parameter just before
 its own gather, is moved up when it is a pure op of at most two steps over values that exist
@@ -298,14 +300,14 @@ class _Cursor:
         return self(aten.reshape.default, (node, shape))
 
 
-def _after_last_input(graph: fx.Graph, bucket: Bucket) -> fx.Node:
-    """The node after which every input of the bucket exists."""
-    nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    last = max((m.input for m in bucket.members), key=pos.__getitem__)
-    if last.op == "placeholder":  # after every placeholder, not between them
-        last = max((n for n in nodes if n.op == "placeholder"), key=pos.__getitem__)
-    return last
+def _issue_after(graph: fx.Graph, bucket: Bucket) -> fx.Node:
+    """The node the bucket's collective goes after: where its first member was issued, or
+    later where an input is computed later. Not earlier: a gather issued at the top of the
+    graph would hold its bucket's full parameters from there on (every bucket at once, for
+    parameters, which are all graph inputs)."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    return max([m.input for m in bucket.members] + [bucket.members[0].collective],
+               key=pos.__getitem__)
 
 
 def rewrite_bucket(gm: fx.GraphModule, bucket: Bucket) -> None:
@@ -316,7 +318,7 @@ def rewrite_bucket(gm: fx.GraphModule, bucket: Bucket) -> None:
     members = bucket.members
     group_size, group = bucket.key[0], bucket.key[1]
     total = sum(m.numel for m in members)
-    issue = _Cursor(graph, after=_after_last_input(graph, bucket))
+    issue = _Cursor(graph, after=_issue_after(graph, bucket))
     if bucket.kind == "all_gather":
         flat = issue(aten.cat.default, ([issue.flat(m.input, [m.numel]) for m in members],))
         collective = issue(ALL_GATHER, (flat, group_size, group))
