@@ -725,8 +725,8 @@ class GRPOTrainer:
                 else "the sequence-parallel group's sum")
         why = [f"{kind} over {par.world_size} ranks"]
         if self.sharding is not None:
-            per = (f"{count} bucketed reduce-scatter(s) of {format_bytes(nbytes)} "
-                   f"(bucket_cap_mb={cfg.bucket_cap_mb:g})" if cfg.bucket_cap_mb is not None
+            per = (f"{count} bucketed reduce-scatter(s) of {format_bytes(nbytes)}, "
+                   f"bucket_cap_mb={cfg.bucket_cap_mb:g}" if cfg.bucket_cap_mb is not None
                    else f"{count} reduce-scatter(s), one per parameter")
             why.append(f"recompute and retain reduce-scatter in every backward ({per}), one "
                        f"backward per trained step ({trained_steps})")
