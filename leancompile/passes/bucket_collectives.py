@@ -19,8 +19,8 @@ After (one gather of the parts laid end to end; each rank's block holds its part
     flat = cat([reshape(p1, [a*k]), reshape(p2, [b])])                 # [a*k + b]
     g = all_gather_into_tensor(flat, R, group);  w = wait_tensor(g)     # [R*(a*k + b)]
     blocks = reshape(w, [R, a*k + b])
-    w1 = reshape(clone(slice(blocks, 1, 0, a*k)), [R*a, k])             # rank-major, as before
-    w2 = reshape(clone(slice(blocks, 1, a*k, a*k + b)), [R*b])
+    w1 = _unsafe_view(clone(slice(blocks, 1, 0, a*k)), [R*a, k])        # rank-major, as before
+    w2 = _unsafe_view(clone(slice(blocks, 1, a*k, a*k + b)), [R*b])
     ... reads w1 ... reads w2 ...
 
 Reduce-scatters, before (two full gradients ``[R*a, k]`` and ``[R*b]``)::
@@ -32,16 +32,17 @@ After (each rank's rows of every gradient next to each other, one reduce-scatter
 
     flat = reshape(cat([reshape(d1, [R, a*k]), reshape(d2, [R, b])], 1), [R*(a*k + b)])
     r = reduce_scatter_tensor(flat, "sum", R, group);  s = wait_tensor(r)    # [a*k + b]
-    s1 = reshape(slice(s, 0, 0, a*k), [a, k])
+    s1 = reshape(slice(s, 0, 0, a*k), [a, k])      # a graph output: _unsafe_view(clone(...))
     s2 = reshape(slice(s, 0, a*k, a*k + b), [b])
 
 Why it is legal: ``all_gather_into_tensor`` concatenates the ranks' inputs along dim 0 and
 ``reduce_scatter_tensor`` gives rank ``r`` the reduction of block ``r`` of dim 0; laying each
 member's per-rank block side by side inside one rank block moves no element to another rank
 and sums the same operands element by element. Every rank holds the same graph (up to rank
-numbers), finds the same buckets and issues them in the same order. The reduced results are
-views of one buffer, disjoint (as ``DistributedDataParallel(gradient_as_bucket_view=True)``
-hands out its gradients); the gathered results are copies.
+numbers), finds the same buckets and issues them in the same order. The gathered results are
+copies; the reduced results are views of the bucket's buffer where the graph reads them and
+tensors of their own where it returns them (as the collectives' results were: AOTAutograd
+told the compiled function's callers that its outputs are not views).
 
 Where each bucket goes: its collective where its first member was issued (or right after the
 last of its inputs is computed, if later), its wait and the unpacking right before the first
@@ -68,13 +69,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .result import PassResult, format_bytes, recompile
+from .flash_overlap import SITE_META
+from .result import PassResult, Site, format_bytes, recompile
 
-__all__ = ["bucket_collectives_pass", "find_buckets", "rewrite_bucket", "Bucket", "VERSION",
-           "NAME", "merged_counts"]
+__all__ = ["bucket_collectives_pass", "find_buckets", "move_inputs_up", "rewrite_bucket", "Bucket",
+           "VERSION", "NAME", "META_KEY", "merged_counts"]
 
 NAME = "bucket_collectives"
-VERSION = 1
+VERSION = 2
 
 _c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -144,20 +146,20 @@ def _pure(node: fx.Node) -> bool:
 
 
 def _hoistable(node: fx.Node, before: int, pos: dict, depth: int,
-               waits: set) -> list[fx.Node] | None:
+               planned: set) -> list[fx.Node] | None:
     """The nodes to move up (``node`` last) so that ``node`` exists before position
-    ``before``; None if that needs an impure op, more than ``depth`` steps, or a result of
-    the bucket itself (``waits``: its members' waits, which the rewrite replaces by values
-    unpacked at ``before``)."""
-    if node in waits:
-        return None
+    ``before``; None if that needs an impure op, more than ``depth`` steps, a node another
+    bucket moves (``planned``), or a node reading a collective's result (a bucketed
+    collective's result is replaced by a value unpacked before its own bucket's first read,
+    which may be the very node moved)."""
     if pos[node] < before:
         return []
-    if depth == 0 or not _pure(node):
+    if depth == 0 or not _pure(node) or node in planned or any(
+            arg.op == "call_function" and arg.target is WAIT for arg in node.all_input_nodes):
         return None
     moved: list[fx.Node] = []
     for arg in node.all_input_nodes:
-        more = _hoistable(arg, before, pos, depth - 1, waits)
+        more = _hoistable(arg, before, pos, depth - 1, planned)
         if more is None:
             return None
         moved += [n for n in more if n not in moved]
@@ -167,6 +169,11 @@ def _hoistable(node: fx.Node, before: int, pos: dict, depth: int,
 def _member(node: fx.Node, result: PassResult) -> tuple[_Member, tuple] | None:
     """``node`` as a bucket member and its bucket key, or None (reported) if it cannot be."""
     kind = _KINDS[node.target]
+    if SITE_META in node.meta:
+        result.skip(node, kind, f"a piece of the overlap pass's schedule for "
+                                f"{node.meta[SITE_META]} (overlap='slice' issues its chunks as "
+                                "collectives on purpose; merging them would undo the overlap)")
+        return None
     inp = node.args[0]
     val = _val(inp)
     if not isinstance(inp, fx.Node) or not _static(val) or not _static(_val(node)):
@@ -196,6 +203,7 @@ def find_buckets(gm: fx.GraphModule, cap_bytes: int, result: PassResult) -> list
     pos = {n: i for i, n in enumerate(nodes)}
     open_: dict[tuple, Bucket] = {}
     closed: list[Bucket] = []
+    planned: set[fx.Node] = set()  # nodes some bucket moves up
     why_alone: dict[fx.Node, str] = {}
 
     def close(key, reason: str) -> None:
@@ -225,7 +233,7 @@ def find_buckets(gm: fx.GraphModule, cap_bytes: int, result: PassResult) -> list
                 hoist = []
             else:
                 hoist = _hoistable(member.input, pos[bucket.first_read], pos, _HOIST_DEPTH,
-                                   {w for m in bucket.members for w in m.waits})
+                                   planned)
             if bucket.nbytes + member.nbytes > cap_bytes:
                 close(key, f"the next {kind} ({node.name}) would pass the cap "
                            f"({format_bytes(bucket.nbytes + member.nbytes)})")
@@ -236,6 +244,7 @@ def find_buckets(gm: fx.GraphModule, cap_bytes: int, result: PassResult) -> list
                 at = pos[bucket.first_read] if bucket.first_read is not None else None
                 for n in hoist:  # planned: the rewrite moves them before first_read
                     bucket.hoist.append(n)
+                    planned.add(n)
                     pos[n] = at - 0.5 + len(bucket.hoist) * 1e-6
                 bucket.members.append(member)
                 if first_read is not None and (bucket.first_read is None
@@ -243,6 +252,7 @@ def find_buckets(gm: fx.GraphModule, cap_bytes: int, result: PassResult) -> list
                     if bucket.hoist:  # moved up before a read that is no longer the first
                         bucket.members.pop()
                         del bucket.hoist[len(bucket.hoist) - len(hoist):]
+                        planned.difference_update(hoist)
                         close(key, f"the next {kind} ({node.name}) is read before this bucket "
                                    "and a moved input would have to move further")
                         open_[key] = Bucket(kind=kind, key=key[1:], members=[member],
@@ -310,12 +320,25 @@ def _issue_after(graph: fx.Graph, bucket: Bucket) -> fx.Node:
                key=pos.__getitem__)
 
 
-def rewrite_bucket(gm: fx.GraphModule, bucket: Bucket) -> None:
-    """Merge ``bucket``'s collectives into one (module docstring: before and after)."""
+def move_inputs_up(buckets: list[Bucket]) -> None:
+    """Move every bucket's planned inputs (``Bucket.hoist``) before its first read: all
+    buckets' moves before any rewrite, so that each rewrite sees the graph ``find_buckets``
+    planned (a bucket may rely on a node another bucket moves up)."""
+    for bucket in buckets:
+        for n in bucket.hoist:
+            bucket.first_read.prepend(n)
+
+
+def rewrite_bucket(gm: fx.GraphModule, bucket: Bucket) -> bool:
+    """Merge ``bucket``'s collectives into one (module docstring: before and after), after
+    ``move_inputs_up``. False (the graph unchanged) if its inputs are not all computed before
+    its first read (``find_buckets`` plans so that they are)."""
     graph = gm.graph
-    for n in bucket.hoist:
-        bucket.first_read.prepend(n)
     members = bucket.members
+    if bucket.first_read is not None:
+        pos = {n: i for i, n in enumerate(graph.nodes)}
+        if pos[_issue_after(graph, bucket)] >= pos[bucket.first_read]:
+            return False
     group_size, group = bucket.key[0], bucket.key[1]
     total = sum(m.numel for m in members)
     issue = _Cursor(graph, after=_issue_after(graph, bucket))
@@ -327,7 +350,8 @@ def rewrite_bucket(gm: fx.GraphModule, bucket: Bucket) -> None:
         flat = issue(aten.reshape.default, (issue(aten.cat.default, (blocks, 1)),
                                             [group_size * total]))
         collective = issue(REDUCE_SCATTER, (flat, bucket.key[4], group_size, group))
-    collective.meta.update({k: v for k, v in members[0].collective.meta.items() if k != "val"})
+    collective.meta.update({k: v for k, v in members[0].collective.meta.items()
+                            if k not in ("val", "tensor_meta")})
     collective.meta[META_KEY] = bucket.describe()
     unpack = _Cursor(graph, after=collective) if bucket.first_read is None else \
         _Cursor(graph, before=bucket.first_read)
@@ -336,17 +360,25 @@ def rewrite_bucket(gm: fx.GraphModule, bucket: Bucket) -> None:
         rank_blocks = unpack(aten.reshape.default, (wait, [group_size, total]))
     offset = 0
     for m in members:
+        shape = list(_val(m.waits[0]).shape)
         if bucket.kind == "all_gather":  # rank-major again: a copy
             part = unpack(aten.slice.Tensor, (rank_blocks, 1, offset, offset + m.numel))
-            part = unpack(aten.clone.default, (part,), {"memory_format": torch.contiguous_format})
-        else:  # this rank's block: a view
+            copied = True
+        else:  # this rank's block: a view, copied where the graph returns it
             part = unpack(aten.slice.Tensor, (wait, 0, offset, offset + m.numel))
-        value = unpack(aten.reshape.default, (part, list(_val(m.waits[0]).shape)))
+            copied = any(u.op == "output" for w in m.waits for u in w.users)
+        if copied:  # a tensor of its own, as the collective's result was (not a view: the
+            # compiled function's callers were told its outputs are not views)
+            part = unpack(aten.clone.default, (part,), {"memory_format": torch.contiguous_format})
+            value = unpack(aten._unsafe_view.default, (part, shape))
+        else:
+            value = unpack(aten.reshape.default, (part, shape))
         offset += m.numel
         for w in m.waits:
             w.replace_all_uses_with(value)
             graph.erase_node(w)
         graph.erase_node(m.collective)
+    return True
 
 
 def merged_counts(result: PassResult) -> dict[str, tuple[int, int]]:
@@ -363,11 +395,20 @@ def bucket_collectives_pass(gm: fx.GraphModule, options) -> PassResult:
     result = PassResult(name=NAME)
     cap = int(options.bucket_cap_mb * 2 ** 20)
     buckets = find_buckets(gm, cap, result)
-    for j, bucket in enumerate(buckets):
-        for m in bucket.members:
-            result.rewrite(m.collective, f"{bucket.kind} into bucket {j}")
-        rewrite_bucket(gm, bucket)
+    move_inputs_up(buckets)
+    j = 0
+    for bucket in buckets:
+        sites = [(m.collective.name, str(m.collective.target)) for m in bucket.members]
+        if not rewrite_bucket(gm, bucket):
+            for m in bucket.members:
+                result.skip(m.collective, bucket.kind, "its bucket's inputs are not all "
+                            "computed before its first read once the inputs are moved up "
+                            "(left alone; please report this graph)")
+            continue
+        result.rewritten += [Site(node=name, kind=f"{bucket.kind} into bucket {j}",
+                                  target=target) for name, target in sites]
         result.notes.append(bucket.describe())
+        j += 1
     if buckets:
         gm.graph.lint()
         recompile(gm)
