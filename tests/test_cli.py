@@ -57,6 +57,36 @@ def test_cli_explain_module_target(example_file, monkeypatch, capsys):
     assert "graph0_backward" in capsys.readouterr().out
 
 
+FSDP_EXAMPLE = textwrap.dedent("""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    def step(x, w1, b1, w2):  # FSDP-style: every parameter part gathered inside the step
+        full = [funcol.all_gather_tensor_autograd(p, 0, dist.group.WORLD) for p in (w1, b1, w2)]
+        h = torch.relu(torch.nn.functional.linear(x, full[0], full[1]))
+        return torch.nn.functional.linear(h, full[2])
+
+    def example_args():
+        return (torch.randn(4, 16), torch.randn(16, 16, requires_grad=True),
+                torch.randn(16, requires_grad=True), torch.randn(8, 32, requires_grad=True))
+""")
+
+
+def test_cli_explain_buckets_under_a_fake_world(tmp_path, capsys):
+    """``leancompile explain FILE:step --fake-world 2 --bucket-cap-mb 1 --device h200``: the
+    three gathers and three reduce-scatters become one of each, and the simulator predicts
+    the exposed communication before and after."""
+    (tmp_path / "fsdp_step.py").write_text(FSDP_EXAMPLE)
+    assert main(["explain", f"{tmp_path / 'fsdp_step.py'}:step", "--fake-world", "2",
+                 "--bucket-cap-mb", "1", "--compiler", "aot_eager", "--device", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "rewrote 3 x all_gather into bucket 0" in out, out
+    assert "rewrote 3 x reduce_scatter into bucket 0" in out, out
+    assert "_c10d_functional.all_gather_into_tensor.default: 3 -> 1" in out, out
+    assert "predicted exposed communication on h200" in out, out
+
+
 def test_cli_errors(example_file, tmp_path):
     with pytest.raises(SystemExit, match="expected FILE.py:NAME"):
         main(["explain", str(example_file)])
