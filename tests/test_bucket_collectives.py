@@ -5,9 +5,10 @@ tensors: no process group needed): the cap, the dtype, the reduction, an input c
 the bucket's first read (moved up when pure, else the bucket closes), symbolic sizes; every
 collective left alone has its reason. The values are checked on 2 and 4 gloo ranks against
 the same program compiled without the pass and against eager: a sharded model (uneven
-parameter rows, padded as ``DTensor``'s ``Shard(0)``; one parameter cast to bf16 before its
-gather, as a mixed-precision policy does) under both compilers, with a cap that makes several
-buckets of each kind.
+parameter rows, padded as ``DTensor``'s ``Shard(0)``; two parameters cast to bf16 before their
+gathers, as a mixed-precision policy does; two biases with equal gradients, whose reductions
+the graph's CSE merges) under both compilers, two backwards accumulating into ``.grad``, with a
+cap that makes several buckets of each kind.
 """
 
 import json
@@ -238,7 +239,7 @@ class Sharded(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         full = {"w1": torch.randn(h, d) / d ** 0.5, "b1": torch.randn(h),
-                "w2": torch.randn(d, h) / h ** 0.5, "b2": torch.randn(d),
+                "w2": torch.randn(d, h) / h ** 0.5, "b2": torch.randn(d), "b3": torch.randn(d),
                 "w3": torch.randn(7, d) / d ** 0.5}
         self.rows = {n: t.shape[0] for n, t in full.items()}
         for name, t in full.items():
@@ -257,7 +258,8 @@ class Sharded(torch.nn.Module):
 
     def forward(self, x):
         h = torch.nn.functional.gelu(x @ self.full("w1").T + self.full("b1"))
-        y = (h.bfloat16() @ self.full("w2").T).float() + self.full("b2")
+        # b2 and b3 get equal gradients: the graph's CSE makes their reductions one
+        y = (h.bfloat16() @ self.full("w2").T).float() + self.full("b2") + self.full("b3")
         return (y.bfloat16() @ self.full("w3").T).float().pow(2).mean()
 
 
@@ -270,7 +272,7 @@ def _values_worker(rank, world, init, out, compilers):
     torch.set_num_threads(1)
     torch.manual_seed(rank)
     x = torch.randn(6, 12)
-    runs, reports = {}, {}
+    runs, reports, shared = {}, {}, {}
     variants = [("eager", None, None)] + [
         (name, c, cap) for c in compilers
         for name, cap in ((c, None), (f"{c}_bucketed", 0.0006))]
@@ -279,9 +281,11 @@ def _values_worker(rank, world, init, out, compilers):
         model = Sharded(rank, world)
         fn = model if compiler is None else torch.compile(model, backend=leancompile.backend(
             compiler=compiler, **({} if cap is None else {"bucket_cap_mb": cap})))
-        loss = fn(x)
-        loss.backward()
+        for _ in range(2):  # the second backward accumulates into .grad
+            loss = fn(x)
+            loss.backward()
         runs[name] = [loss.detach()] + [p.grad for p in model.parameters()]
+        shared[name] = model.b2.grad.data_ptr() == model.b3.grad.data_ptr()
         if cap is not None:
             report = leancompile.last_report()
             reports[name] = {r.phase: {
@@ -293,7 +297,7 @@ def _values_worker(rank, world, init, out, compilers):
         return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-12))
                    for x, y in zip(runs[a], runs[b]))
 
-    result = {"reports": reports,
+    result = {"reports": reports, "shared_grads": shared,
               "bitwise": {f"{c}_bucketed": all(torch.equal(x, y) for x, y in zip(
                   runs[f"{c}_bucketed"], runs[c])) for c in compilers},
               "loss_bitwise": {c: torch.equal(runs[f"{c}_bucketed"][0], runs[c][0])
@@ -320,6 +324,9 @@ def test_bucketed_sharded_model_equals_the_unbucketed_compile(tmp_path, world, c
             assert any("torch.bfloat16" in n for n in phases["forward"]["notes"]), phases
             assert 1 < phases["backward"]["rs"] < 5, (name, phases)
             assert phases["forward"]["notes"] and phases["backward"]["notes"], phases
+        # Two parameters' equal gradients are two tensors (Inductor returned two views of one
+        # region before: accumulating into one .grad changed the other)
+        assert not any(got["shared_grads"].values()), got["shared_grads"]
         # The gathers only move bytes: the loss is bitwise. Two ranks sum one pair whatever
         # the buffer: bitwise gradients; four may sum in another order: rounding
         assert all(got["loss_bitwise"].values()), got

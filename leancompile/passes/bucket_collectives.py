@@ -363,13 +363,21 @@ def rewrite_bucket(gm: fx.GraphModule, bucket: Bucket) -> bool:
         shape = list(_val(m.waits[0]).shape)
         if bucket.kind == "all_gather":  # rank-major again: a copy
             part = unpack(aten.slice.Tensor, (rank_blocks, 1, offset, offset + m.numel))
-            copied = True
-        else:  # this rank's block: a view, copied where the graph returns it
-            part = unpack(aten.slice.Tensor, (wait, 0, offset, offset + m.numel))
-            copied = any(u.op == "output" for w in m.waits for u in w.users)
-        if copied:  # a tensor of its own, as the collective's result was (not a view: the
-            # compiled function's callers were told its outputs are not views)
             part = unpack(aten.clone.default, (part,), {"memory_format": torch.contiguous_format})
+            copied = True
+        elif any(u.op == "output" for w in m.waits for u in w.users):
+            # Returned: a tensor of its own, as the collective's result was. Not a view of the
+            # bucket's buffer: the compiled function's callers were told its outputs are not
+            # views, and a gradient returned for two parameters (the graph's CSE merges equal
+            # reductions) as two views of one region would become two .grad tensors sharing
+            # memory. slice_copy, not clone of a slice: Inductor drops such a clone (same
+            # sizes and strides) and returns views.
+            part = unpack(aten.slice_copy.Tensor, (wait, 0, offset, offset + m.numel))
+            copied = True
+        else:  # read inside the graph only: a view of this rank's block
+            part = unpack(aten.slice.Tensor, (wait, 0, offset, offset + m.numel))
+            copied = False
+        if copied:
             value = unpack(aten._unsafe_view.default, (part, shape))
         else:
             value = unpack(aten.reshape.default, (part, shape))
