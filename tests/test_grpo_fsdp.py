@@ -38,11 +38,17 @@ def _graph_key(extra: dict) -> tuple:
     return tuple(sorted((k, v) for k, v in extra.items() if k != "grad_sync"))
 
 
+def _after_passes(graph, phase: str, op: str) -> int:
+    """How often ``op`` occurs in the step's ``phase`` graph after the passes (the graph the
+    compiler compiled, Inductor's included)."""
+    return sum(r.op_counts_after.get(op, 0) for r in graph.report.graphs if r.phase == phase)
+
+
 def _issued_reductions(graph) -> tuple[int, int]:
-    """The reductions one run of a step's backward graph (aot_eager: the graph the passes
-    rewrote) issues: its reduce-scatters, and those FlashOverlap turned into P2P steps."""
-    collectives = sum("reduce_scatter_tensor" in str(n.target)
-                      for n in graph.backward.graph.nodes)
+    """The reductions one run of a step's backward graph issues: its reduce-scatters after
+    the passes, and those FlashOverlap turned into P2P steps."""
+    collectives = _after_passes(graph, "backward",
+                                "_c10d_functional.reduce_scatter_tensor.default")
     flash = sum(site.kind == "mm+reduce_scatter"
                 for p in graph.report.pass_results("flash_overlap") for site in p.rewritten)
     return collectives, flash
@@ -79,7 +85,10 @@ def _fsdp_worker(rank, world, init, out, kind):
                   ("shared", "retain", {"bucket_cap_mb": None}),
                   # buckets of 1258 bytes: the parts (768 + 64, 512 + 16 bytes) gather in two,
                   # the full gradients (1536, 128, 1024, 32) reduce in two or three
-                  ("shared", "retain", {"bucket_cap_mb": 0.0012})] if world == 2 else []
+                  ("shared", "retain", {"bucket_cap_mb": 0.0012}),
+                  # Inductor: its buckets' gradients accumulate over the trained steps'
+                  # backwards (no two parameters' gradients may share memory)
+                  ("shared", "retain", {"compiler": "inductor"})] if world == 2 else []
         # FlashOverlap on the same graphs: the weight gathers feeding matmuls and the weight
         # gradients feeding reduce-scatters become P2P schedules.
         cases += [("shared", s, {"overlap": "flash"}) for s in ("recompute", "retain",
@@ -151,7 +160,8 @@ def _fsdp_worker(rank, world, init, out, kind):
             "buffer_bytes": got.buffer_bytes,
             "parameters": len(shapes),
             "sharded": all(local[n][0] == -(-shapes[n][0] // world) for n in shapes),
-            "gathers": sum("all_gather_into_tensor" in o for o in ops),
+            "gathers": _after_passes(graph, "forward",
+                                     "_c10d_functional.all_gather_into_tensor.default"),
             "reduce_scatters": sum("reduce_scatter_tensor" in o for o in ops),
             "reductions": sum("reduce_scatter_tensor" in o for o in unrewritten),
             # what the backward graph that runs issues: its reduce-scatters (after bucketing),
