@@ -81,7 +81,6 @@ def _fsdp_worker(rank, world, init, out, kind):
                   # one reduction for the whole update: the full-size gradient held to the end
                   ("shared", "reweight", {"grad_sync": "update"}),
                   # one collective per parameter, not bucketed
-                  ("shared", "recompute", {"bucket_cap_mb": None}),
                   ("shared", "retain", {"bucket_cap_mb": None}),
                   # buckets of 1258 bytes: the parts (768 + 64, 512 + 16 bytes) gather in two,
                   # the full gradients (1536, 128, 1024, 32) reduce in two or three

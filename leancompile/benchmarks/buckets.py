@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import statistics
-import sys
 
 import torch
 
@@ -121,9 +120,10 @@ def format_table(report: dict) -> str:
 
 def main(argv=None) -> int:
     import argparse
-    import os
 
     import torch.distributed as dist
+
+    from .timing import join_torchrun
 
     p = argparse.ArgumentParser(prog="leancompile bench buckets", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -137,13 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--compiler", default="aot_eager", choices=("aot_eager", "inductor"))
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
-    joined = False
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        joined = True
+    joined, log = join_torchrun(ns.json)
     quiet = dist.is_initialized() and dist.get_rank() != 0
-    log = (lambda *a: None) if quiet else \
-        (lambda *a: print(*a, file=sys.stderr)) if ns.json else print
     try:
         report = run_bucket_bench(cap_mb=ns.cap_mb, rounds=ns.rounds, steps=ns.steps,
                                   layers=ns.layers, hidden=ns.hidden, latent=ns.latent,

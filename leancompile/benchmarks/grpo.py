@@ -34,16 +34,14 @@ is a lean schedule's ratio to recompute over that ideal, by median and by minimu
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Mapping
 
 import torch
 
-from .timing import add_malloc_flag, apply_malloc_flag, ideal_ratio, step_times
+from .timing import add_malloc_flag, apply_malloc_flag, ideal_ratio, join_torchrun, step_times
 
 __all__ = ["BenchConfig", "EagerResult", "eager_flow_grpo_gradients", "run_grpo_bench",
            "format_table", "main"]
@@ -575,14 +573,9 @@ def main(argv=None) -> int:
         p.error(str(error))
     import torch.distributed as dist
 
-    joined = False
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        # torchrun: data parallel over the launched ranks; rank 0 reports.
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        joined = True
+    # torchrun: data parallel over the launched ranks; rank 0 reports.
+    joined, log = join_torchrun(ns.json)
     quiet = dist.is_initialized() and dist.get_rank() != 0
-    log = (lambda *a: None) if quiet else \
-        (lambda *a: print(*a, file=sys.stderr)) if ns.json else print
     malloc = apply_malloc_flag(ns.malloc)
     try:
         report = run_grpo_bench(config, log=log)

@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["median_seconds", "step_times", "ideal_ratio", "add_malloc_flag", "apply_malloc_flag"]
+__all__ = ["median_seconds", "step_times", "ideal_ratio", "add_malloc_flag", "apply_malloc_flag",
+           "join_torchrun"]
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -72,3 +73,22 @@ def apply_malloc_flag(choice: str) -> str:
     from ..runtime.allocator import keep_freed_memory
 
     return "keep" if keep_freed_memory() else "default (not glibc)"
+
+
+def join_torchrun(json_output: bool) -> tuple[bool, Callable[..., None]]:
+    """Under torchrun (``WORLD_SIZE`` > 1, no process group yet): join the launched ranks
+    (NCCL with CUDA, else gloo). Returns whether this call created the process group (destroy
+    it when done) and the bench's log: silent on ranks other than 0, on stderr when the
+    report goes to stdout as JSON."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    joined = False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        joined = True
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return joined, lambda *a: None
+    return joined, (lambda *a: print(*a, file=sys.stderr)) if json_output else print

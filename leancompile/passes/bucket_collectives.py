@@ -176,7 +176,10 @@ def _member(node: fx.Node, result: PassResult) -> tuple[_Member, tuple] | None:
         return None
     inp = node.args[0]
     val = _val(inp)
-    if not isinstance(inp, fx.Node) or not _static(val) or not _static(_val(node)):
+    if not isinstance(val, torch.Tensor):
+        result.skip(node, kind, "its input has no recorded tensor value (meta['val'])")
+        return None
+    if not _static(val) or not _static(_val(node)):
         result.skip(node, kind, "a symbolic size: buckets are laid out with static sizes",
                     local="shape")
         return None
