@@ -788,7 +788,8 @@ class GRPOTrainer:
             raise RuntimeError(
                 "parallel='fsdp': the step's forward and inference graphs gather the "
                 f"parameters in different orders ({orders}); ranks that run different graphs "
-                "at one step would pair the wrong all-gathers. Use parallel='ddp'")
+                "at one step would pair the wrong all-gathers. Use parallel='ddp' (or, where only "
+                "their buckets differ, GRPOConfig(bucket_cap_mb=None))")
         calls = " | ".join("".join(f"{int(a)}{int(b)}" for a, b in unit) for unit in padding)
         later = [sorted(set(steps.flatten().tolist())) for steps in chunk_steps[1:]]
         self.parallel.check_same(
