@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-__all__ = ["CompileOptions", "COMPILERS", "OVERLAP_CANDIDATES"]
+__all__ = ["CompileOptions", "COMPILERS", "OVERLAP_CANDIDATES", "check_bucket_cap_mb"]
 
 COMPILERS = ("inductor", "aot_eager")
 # Values later passes will accept; until they land, anything but None is refused with a reason.
@@ -26,6 +26,14 @@ OVERLAP_CANDIDATES = {
 """The overlap settings ``overlap="auto"`` chooses from (for a whole graph or per site), simplest
 first, and the values ``overlap_sites`` takes."""
 _ON_ERROR_VALUES = ("skip", "raise")
+
+
+def check_bucket_cap_mb(value) -> None:
+    """``bucket_cap_mb`` is None (no bucketing) or a number of MiB > 0, else ValueError."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or value <= 0):
+        raise ValueError(f"bucket_cap_mb={value!r} must be a number of MiB > 0 (or None: one "
+                         "collective each, no bucketing)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,11 +162,7 @@ class CompileOptions:
         if self.on_error not in _ON_ERROR_VALUES:
             raise ValueError(f"on_error={self.on_error!r} is not supported; use one of "
                              f"{_ON_ERROR_VALUES}")
-        if self.bucket_cap_mb is not None and (
-                isinstance(self.bucket_cap_mb, bool)
-                or not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb <= 0):
-            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be a number of MiB > 0 "
-                             "(or None: no bucketing)")
+        check_bucket_cap_mb(self.bucket_cap_mb)
         if not isinstance(self.attention_split, bool):
             raise ValueError(f"attention_split={self.attention_split!r} must be True or False")
         if not isinstance(self.strict, bool):

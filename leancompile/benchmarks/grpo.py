@@ -113,8 +113,9 @@ class BenchConfig:
 
         if self.grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync={self.grad_sync!r}; use one of {GRAD_SYNCS}")
-        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be > 0 (or None)")
+        from ..options import check_bucket_cap_mb
+
+        check_bucket_cap_mb(self.bucket_cap_mb)
 
 
 def build_policy(config: BenchConfig):

@@ -30,7 +30,8 @@ import torch.nn as nn
 from torch.profiler import record_function
 
 from ..capture import RandomOpInGraphError
-from ..options import CompileOptions
+from ..options import CompileOptions, check_bucket_cap_mb
+from ..passes.bucket_collectives import NAME as BUCKETS, merged_counts
 from ..passes.lean_grpo import (SCHEDULES, SchedulePlan, ScheduleReport, StepCosts,
                                 build_schedule_plans, choose_schedule, graph_flops,
                                 reweight_rows_per_backward)
@@ -167,11 +168,7 @@ class GRPOConfig:
                              "(CompileOptions.overlap)")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r}; use one of {LAYOUTS}")
-        if self.bucket_cap_mb is not None and (
-                isinstance(self.bucket_cap_mb, bool)
-                or not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb <= 0):
-            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r} must be a number of MiB > 0 "
-                             "or None (one collective per parameter)")
+        check_bucket_cap_mb(self.bucket_cap_mb)
         if self.grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync={self.grad_sync!r}; use one of {GRAD_SYNCS}")
 
@@ -1035,11 +1032,9 @@ def _backward_reductions(graph) -> tuple[int, int]:
 def _bucketed(graph, phase: str) -> dict[str, tuple[int, int]]:
     """What the bucketing pass merged in the step's ``phase`` graph:
     ``{kind: (collectives, buckets)}`` (``bucket_collectives.merged_counts``)."""
-    from ..passes.bucket_collectives import NAME, merged_counts
-
     report = graph.report
     results = [] if report is None else [p for r in report.graphs if r.phase == phase
-                                         for p in r.passes if p.name == NAME]
+                                         for p in r.passes if p.name == BUCKETS]
     return merged_counts(results[0]) if results else {}
 
 
@@ -1051,11 +1046,9 @@ def _gather_order(gm, report=None, phase: str = "") -> list:
         if node.op == "call_function" and "all_gather_into_tensor" in str(node.target):
             val = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
             out.append(tuple(val.shape) if val is not None else None)
-    from ..passes.bucket_collectives import NAME
-
     if report is not None:
         out += [note for r in report.graphs if r.phase == phase for p in r.passes
-                if p.name == NAME for note in p.notes if note.startswith("all_gather")]
+                if p.name == BUCKETS for note in p.notes if note.startswith("all_gather")]
     return out
 
 

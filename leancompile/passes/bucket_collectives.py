@@ -231,36 +231,26 @@ def find_buckets(gm: fx.GraphModule, cap_bytes: int, result: PassResult) -> list
         first_read = min(reads, key=pos.__getitem__) if reads else None
         bucket = open_.get(key)
         if bucket is not None:
-            hoist = None
-            if bucket.first_read is None:
-                hoist = []
-            else:
-                hoist = _hoistable(member.input, pos[bucket.first_read], pos, _HOIST_DEPTH,
-                                   planned)
+            hoist = [] if bucket.first_read is None else _hoistable(
+                member.input, pos[bucket.first_read], pos, _HOIST_DEPTH, planned)
+            earlier = first_read is not None and bucket.first_read is not None and \
+                pos[first_read] < pos[bucket.first_read]
             if bucket.nbytes + member.nbytes > cap_bytes:
                 close(key, f"the next {kind} ({node.name}) would pass the cap "
                            f"({format_bytes(bucket.nbytes + member.nbytes)})")
             elif hoist is None:
                 close(key, f"the next {kind}'s input ({member.input.name}) is computed after "
                            f"this bucket's result is first read ({bucket.first_read.name})")
+            elif earlier and (bucket.hoist or hoist):  # moved up before a later read
+                close(key, f"the next {kind} ({node.name}) is read before this bucket and a "
+                           "moved input would have to move further")
             else:
-                at = pos[bucket.first_read] if bucket.first_read is not None else None
                 for n in hoist:  # planned: the rewrite moves them before first_read
                     bucket.hoist.append(n)
                     planned.add(n)
-                    pos[n] = at - 0.5 + len(bucket.hoist) * 1e-6
+                    pos[n] = pos[bucket.first_read] - 0.5 + len(bucket.hoist) * 1e-6
                 bucket.members.append(member)
-                if first_read is not None and (bucket.first_read is None
-                                               or pos[first_read] < pos[bucket.first_read]):
-                    if bucket.hoist:  # moved up before a read that is no longer the first
-                        bucket.members.pop()
-                        del bucket.hoist[len(bucket.hoist) - len(hoist):]
-                        planned.difference_update(hoist)
-                        close(key, f"the next {kind} ({node.name}) is read before this bucket "
-                                   "and a moved input would have to move further")
-                        open_[key] = Bucket(kind=kind, key=key[1:], members=[member],
-                                            first_read=first_read)
-                        continue
+                if bucket.first_read is None or earlier:
                     bucket.first_read = first_read
                 continue
         open_[key] = Bucket(kind=kind, key=key[1:], members=[member], first_read=first_read)
@@ -313,16 +303,6 @@ class _Cursor:
         return self(aten.reshape.default, (node, shape))
 
 
-def _issue_after(graph: fx.Graph, bucket: Bucket) -> fx.Node:
-    """The node the bucket's collective goes after: where its first member was issued, or
-    later where an input is computed later. Not earlier: a gather issued at the top of the
-    graph would hold its bucket's full parameters from there on (every bucket at once, for
-    parameters, which are all graph inputs)."""
-    pos = {n: i for i, n in enumerate(graph.nodes)}
-    return max([m.input for m in bucket.members] + [bucket.members[0].collective],
-               key=pos.__getitem__)
-
-
 def move_inputs_up(buckets: list[Bucket]) -> None:
     """Move every bucket's planned inputs (``Bucket.hoist``) before its first read: all
     buckets' moves before any rewrite, so that each rewrite sees the graph ``find_buckets``
@@ -334,17 +314,21 @@ def move_inputs_up(buckets: list[Bucket]) -> None:
 
 def rewrite_bucket(gm: fx.GraphModule, bucket: Bucket) -> bool:
     """Merge ``bucket``'s collectives into one (module docstring: before and after), after
-    ``move_inputs_up``. False (the graph unchanged) if its inputs are not all computed before
-    its first read (``find_buckets`` plans so that they are)."""
+    ``move_inputs_up``. The collective goes where its first member was issued (or after a
+    later input), not earlier: a gather issued at the top of the graph would hold its bucket's
+    full parameters from there on (every bucket at once, for parameters, which are all graph
+    inputs). False (the graph unchanged) if its inputs are not all computed before its first
+    read (``find_buckets`` plans so that they are)."""
     graph = gm.graph
     members = bucket.members
-    if bucket.first_read is not None:
-        pos = {n: i for i, n in enumerate(graph.nodes)}
-        if pos[_issue_after(graph, bucket)] >= pos[bucket.first_read]:
-            return False
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    # where its first member was issued, or later where an input is computed later
+    after = max([m.input for m in members] + [members[0].collective], key=pos.__getitem__)
+    if bucket.first_read is not None and pos[after] >= pos[bucket.first_read]:
+        return False
     group_size, group = bucket.key[0], bucket.key[1]
     total = sum(m.numel for m in members)
-    issue = _Cursor(graph, after=_issue_after(graph, bucket))
+    issue = _Cursor(graph, after=after)
     if bucket.kind == "all_gather":
         flat = issue(aten.cat.default, ([issue.flat(m.input, [m.numel]) for m in members],))
         collective = issue(ALL_GATHER, (flat, group_size, group))
