@@ -176,6 +176,9 @@ class StepGraphs:
     """The same for ``sample_fingerprint`` (what the outputs but the sample depend on)."""
     random_ops: list[str] = field(default_factory=list)
     report: object = None
+    regather: object = None
+    """``RegatherFound`` (``passes/regather_params.py``) when captured with
+    ``reshard_after_forward=True``: the parameters' gathers the backward runs again."""
     dynamo_graph: fx.GraphModule | None = None
     """The Dynamo graph itself (``fingerprints_at``)."""
     sample_output: int | None = None
@@ -371,12 +374,14 @@ def without_saved(forward: fx.GraphModule, num_outputs: int) -> fx.GraphModule:
     return graph
 
 
-def _trace(gm: fx.GraphModule, inputs, patches: dict) -> dict:
+def _trace(gm: fx.GraphModule, inputs, patches: dict, regather: set[int] | None = None) -> dict:
     """One AOTAutograd trace of ``gm`` (Inductor's decompositions, the min-cut partitioner),
     with gradients when an input needs them: ``{"forward", "backward", "inference": (graph,
     inputs), "meta": the forward's ViewAndMutationMeta}``, the inference graph
     ``without_saved`` when there is a backward. ``capture_graph`` and
-    ``StepGraphs.fingerprints_at`` trace alike, so their fingerprints compare."""
+    ``StepGraphs.fingerprints_at`` trace alike, so their fingerprints compare. ``regather``:
+    the input positions of parameters whose all-gathers the backward recomputes
+    (``passes/regather_params.py``; what it found is ``captured["regather"]``)."""
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._guards import TracingContext
@@ -394,6 +399,13 @@ def _trace(gm: fx.GraphModule, inputs, patches: dict) -> dict:
         return compiler_fn
 
     needs_grad = any(isinstance(v, torch.Tensor) and v.requires_grad for v in inputs)
+    partition_fn = min_cut_rematerialization_partition
+    if regather is not None:
+        from .passes.regather_params import partition_with_regather
+
+        captured["regather"] = []
+        partition_fn = partition_with_regather(partition_fn, params=regather,
+                                               record=captured["regather"])
     # Effect tokens (ops with side effects, e.g. linalg.inv's error checks) made and sunk inside
     # the graphs, as Inductor has them: no extra token inputs or outputs to account for.
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True,
@@ -402,8 +414,7 @@ def _trace(gm: fx.GraphModule, inputs, patches: dict) -> dict:
         aot_module_simplified(
             gm, list(inputs), fw_compiler=keep("forward"), bw_compiler=keep("backward"),
             inference_compiler=keep("inference"),
-            partition_fn=min_cut_rematerialization_partition,
-            decompositions=select_decomp_table())
+            partition_fn=partition_fn, decompositions=select_decomp_table())
     if "backward" in captured and captured.get("meta") is not None:
         forward, fw_inputs = captured["forward"]
         captured["inference"] = (
@@ -413,7 +424,8 @@ def _trace(gm: fx.GraphModule, inputs, patches: dict) -> dict:
 
 def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: str,
                   sample_output: int | None = None,
-                  memory_budget: float | None = None) -> StepGraphs:
+                  memory_budget: float | None = None,
+                  reshard_after_forward: bool = False) -> StepGraphs:
     """Trace a Dynamo graph through AOTAutograd into forward + backward graphs and an inference
     graph (the forward without what it saves, ``without_saved``; a traced one when nothing
     needs gradients), run ``graph_pass`` (leancompile's pipeline, a
@@ -421,7 +433,11 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
     ``inductor``: ``compile_fx_inner``, our pipeline as its custom post-grad pass).
 
     A symbolic dim 0 of the tensor arguments is the batch: the LeanGRPO stage of the pipeline
-    finds which saved tensors hold it row by row (``passes/row_layout.py``)."""
+    finds which saved tensors hold it row by row (``passes/row_layout.py``).
+
+    ``reshard_after_forward``: parameters all-gathered inside the step are gathered again in
+    the backward instead of saved full-size (``passes/regather_params.py``; ``regather`` in
+    the result says which)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     roles = [_role(p, v) for p, v in zip(placeholders, example_inputs)]
     fakes = [_fake(p, v) for p, v in zip(placeholders, example_inputs)]
@@ -437,7 +453,10 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
     patches = {"enable_autograd_cache": False}
     if memory_budget is not None:  # the partitioner saves less and recomputes more
         patches["activation_memory_budget"] = memory_budget
-    captured = _trace(gm, example_inputs, patches)
+    params = {i for i, r in enumerate(roles) if r.kind == "param"}
+    captured = _trace(gm, example_inputs, patches,
+                      regather=params if reshard_after_forward else None)
+    regather = captured["regather"][-1] if captured.get("regather") else None
     inference, inf_inputs = captured["inference"]
     fingerprint, reached = _structural_hashes(inference, roles)
     sample_fp, sample_keys = (), []
@@ -549,4 +568,4 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
         batch_symbol=symbol, layouts=layouts, saved_meta=saved_meta, fingerprint=fingerprint,
         sample_fingerprint=sample_fp, key_inputs=key_inputs, sample_key_inputs=sample_keys,
         random_ops=random_ops, dynamo_graph=gm, sample_output=sample_output,
-        kept_roots=kept_roots, backward_aten=backward_aten)
+        kept_roots=kept_roots, backward_aten=backward_aten, regather=regather)

@@ -96,6 +96,13 @@ class StepConfig:
     partitioner_budget: float | None = None
     """The min-cut partitioner's activation memory budget (0..1): below 1 the forward saves
     less and the backward recomputes cheap ops (what Retain keeps shrinks)."""
+    reshard_after_forward: bool = False
+    """Parameters the step all-gathers itself (FSDP-style, e.g. ``GRPOTrainer(parallel=
+    "fsdp")`` or torchtitan's SimpleFSDP) are gathered again by the backward instead of saved
+    full-size (``leancompile/passes/regather_params.py``), as ``fully_shard``'s
+    ``reshard_after_forward=True``: what Retain keeps per call holds this rank's parts, not
+    the full weights, at one more all-gather per backward. False: the partitioner saves the
+    gathered weights (no collective in the backward but the gradients' own)."""
     reweight_rows: int | None = None
     """Reweight: rows per vectorised backward (``torch.func.vmap`` of the batch-1 backward over
     the rows); None: as many as the memory budget leaves room for (parameter gradients and
@@ -1359,7 +1366,8 @@ class _Backend:
         graphs = capture_graph(gm, example_inputs, graph_pass=graph_pass,
                                compiler=step.options.compiler,
                                sample_output=step.config.sample_output,
-                               memory_budget=step.config.partitioner_budget)
+                               memory_budget=step.config.partitioner_budget,
+                               reshard_after_forward=step.config.reshard_after_forward)
         graphs.report = report
         record_report(report)
         step.reports.append(report)
@@ -1634,8 +1642,8 @@ def lean_compile(fn=None, *, backend: str = "inductor", **options):
     a ``leancompile.step.LeanStep``: the function as compiled, plus ``rollout()`` and
     ``update()`` phases in which an update call reuses the rollout's forward (LeanGRPO). It
     also takes ``sample_output`` and ``sample_arg`` (a step that draws its sample inside),
-    ``memory_budget_bytes`` and ``memory_fraction`` (``auto``'s budget), ``partitioner_budget``
-    and ``reweight_rows``; see ``StepConfig``. Any other keyword raises ``TypeError``.
+    ``memory_budget_bytes`` and ``memory_fraction`` (``auto``'s budget), ``partitioner_budget``,
+    ``reshard_after_forward`` and ``reweight_rows``; see ``StepConfig``. Any other keyword raises ``TypeError``.
     """
     compile_kwargs = {k: options.pop(k) for k in _TORCH_COMPILE_KWARGS if k in options}
     step_kwargs = {k: options.pop(k) for k in _STEP_KWARGS if k in options}

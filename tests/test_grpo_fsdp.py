@@ -145,7 +145,8 @@ def _fsdp_worker(rank, world, init, out, kind):
         local = {n: tuple(p.shape) for n, p in trainer.policy.named_parameters()}
         full = _full(got.grads, shapes, world)
         _, rel = agreement(full, ref_grads)
-        graph = trainer.lean_step(list(conditions)).graphs[0]
+        lean = trainer.lean_step(list(conditions), None, trainer._regathers(schedule))
+        graph = lean.graphs[0]
         ops = [str(n.target) for gm in (graph.forward, graph.backward) for n in gm.graph.nodes]
         unrewritten = [str(n.target) for n in graph.backward_aten.graph.nodes]
         results.append({
@@ -171,7 +172,9 @@ def _fsdp_worker(rank, world, init, out, kind):
             "p2p": sum("p2p_start" in o for o in ops),
             "flash": "overlap" in extra,
             "report": str(graph.report),
-            "backwards": trainer.lean_step(list(conditions)).stats.backward_graphs_run,
+            "backwards": lean.stats.backward_graphs_run,
+            # Retain's backward gathers the parameters again (reshard_after_forward)
+            "backward_gathers": sum("all_gather_into_tensor" in o for o in unrewritten),
             "rewards": float((got.rollout.rewards - ref_rewards).abs().max())})
     report = {"results": results}
     if kind == "toy":
@@ -316,6 +319,10 @@ def _check(ranks):
                 assert 1 < entry["gathers"] < entry["parameters"], entry
                 assert 1 < entry["backward_rs"] < entry["reductions"], entry
             assert 0 < entry["reductions"] <= entry["parameters"], entry
+            # Retain keeps the parts, not the gathered weights: its backward gathers the
+            # weights it reads again (GRPOConfig.reshard_after_forward); the others' backward,
+            # right after their forward, reads the gathered weights it saved.
+            assert (entry["backward_gathers"] > 0) == (schedule == "retain"), entry
             assert entry["predicted_syncs"] == [entry["syncs"], entry["sync_bytes"]], entry
             if schedule == "reweight":
                 # Taken out of the per-row backward: one reduce-scatter of every (padded) full

@@ -9,6 +9,10 @@ median printed). Per schedule: seconds per ``compute_gradients`` (rollout and up
 speedup of the buckets, the gradient reductions per step (``GradResult.sync_collectives``),
 the all-gathers one forward of the step issues, and the relative L2 distance of the bucketed
 gradients to the per-parameter ones (largest over the ranks).
+
+Retain runs a third variant, buckets with the gathered weights kept for the backward
+(``GRPOConfig(reshard_after_forward=False)``) instead of gathered again: what each costs in
+time and what the kept calls hold (``GradResult.retained_bytes``).
 """
 
 from __future__ import annotations
@@ -50,46 +54,62 @@ def run_bucket_bench(*, cap_mb: float = 25.0, rounds: int = 3, steps: int = 4, l
     base = build_policy(bench)
     conditions = base.example_conditions(1, torch.Generator().manual_seed(1),
                                          sequence_length=bench.text_length)
-    variants = {"per-parameter": None, f"buckets of {cap_mb:g} MiB": cap_mb}
+    kept = "buckets, weights kept"
+    variants = {"per-parameter": {"bucket_cap_mb": None},
+                f"buckets of {cap_mb:g} MiB": {"bucket_cap_mb": cap_mb},
+                kept: {"bucket_cap_mb": cap_mb, "reshard_after_forward": False}}
     trainers = {name: GRPOTrainer(copy.deepcopy(base), mean_latent_reward, None, GRPOConfig(
-        sde="flow_grpo", eta=0.9, group_size=bench.group_size, compiler=compiler,
-        bucket_cap_mb=cap), parallel="fsdp") for name, cap in variants.items()}
+        sde="flow_grpo", eta=0.9, group_size=bench.group_size, compiler=compiler, **options),
+        parallel="fsdp") for name, options in variants.items()}
 
     def run(name, schedule):
         return trainers[name].compute_gradients(
             conditions, torch.Generator().manual_seed(7), schedule=schedule)
 
-    rows = [(name, s) for s in schedules for name in variants]
+    def names(s):  # the kept weights differ from the buckets under Retain only
+        return [n for n in variants if n != kept or s == "retain"]
+
+    rows = [(name, s) for s in schedules for name in names(s)]
     for row in rows:
         log(f"[bench] {row[0]}/{row[1]}: warm-up (captures and compiles the graphs)")
         run(*row)
     times = {row: [] for row in rows}
-    syncs, grads = {}, {}
+    syncs, grads, retained = {}, {}, {}
     for i in range(rounds):
         for s in schedules:
-            names = list(variants) if i % 2 == 0 else list(reversed(variants))
-            for name in names:
+            for name in (names(s) if i % 2 == 0 else names(s)[::-1]):
                 result = run(name, s)
                 times[name, s].append(result.rollout_seconds + result.update_seconds)
                 syncs[name, s] = result.sync_collectives
+                retained[name, s] = result.retained_bytes
                 grads[name, s] = _flat(result.grads)
                 del result
                 log(f"[bench] round {i + 1} {name}/{s}: {times[name, s][-1]:.3f} s")
-    plain, bucketed = variants
-    out = {}
-    for s in schedules:
-        a, b = times[plain, s], times[bucketed, s]
-        diff = (grads[bucketed, s] - grads[plain, s]).norm() / grads[plain, s].norm().clamp_min(
+    plain, bucketed, _ = variants
+
+    def rel_l2(name, s):
+        diff = (grads[name, s] - grads[plain, s]).norm() / grads[plain, s].norm().clamp_min(
             1e-30)
         rel = torch.tensor([float(diff)])
         dist.all_reduce(rel, op=dist.ReduceOp.MAX)
+        return float(rel)
+
+    out = {}
+    for s in schedules:
+        a, b = times[plain, s], times[bucketed, s]
         out[s] = {name: {"median_s": statistics.median(times[name, s]),
                          "min_s": min(times[name, s]), "reductions": syncs[name, s],
-                         "gathers_per_forward": _gathers_per_forward(trainers[name])}
-                  for name in variants}
+                         "gathers_per_forward": _gathers_per_forward(trainers[name]),
+                         "retained_bytes": retained[name, s]}
+                  for name in names(s)}
         out[s]["speedup"] = statistics.median(a) / statistics.median(b)
         out[s]["speedup_min"] = min(a) / min(b)
-        out[s]["grad_rel_l2"] = float(rel)
+        out[s]["grad_rel_l2"] = rel_l2(bucketed, s)
+        if s == "retain":  # gathered again in the backward vs kept: seconds and bytes
+            k = times[kept, s]
+            out[s]["regather_time_ratio"] = statistics.median(b) / statistics.median(k)
+            out[s]["regather_time_ratio_min"] = min(b) / min(k)
+            out[s]["kept_grad_rel_l2"] = rel_l2(kept, s)
     return {"config": {"cap_mb": cap_mb, "rounds": rounds, "steps": steps, "layers": layers,
                        "hidden": hidden, "latent": latent, "compiler": compiler,
                        "world_size": dist.get_world_size(),
@@ -99,22 +119,31 @@ def run_bucket_bench(*, cap_mb: float = 25.0, rounds: int = 3, steps: int = 4, l
 
 def format_table(report: dict) -> str:
     cfg = report["config"]
-    plain, bucketed = report["variants"]
     lines = [f"fsdp over {cfg['world_size']} ranks ({cfg['backend']}, {cfg['compiler']}), "
              f"bench FLUX {cfg['layers']}+{cfg['layers']} blocks, hidden {cfg['hidden']}, "
              f"{cfg['steps']} steps; {cfg['rounds']} interleaved rounds",
              f"{'schedule':10s} {'variant':22s} {'median s':>9s} {'min s':>7s} "
-             f"{'reductions':>10s} {'gathers/fwd':>11s}"]
+             f"{'reductions':>10s} {'gathers/fwd':>11s} {'kept MiB':>9s}"]
     for s, entry in report["schedules"].items():
-        for name in (plain, bucketed):
+        for name in report["variants"]:
+            if name not in entry:
+                continue
             e = entry[name]
             lines.append(f"{s:10s} {name:22s} {e['median_s']:9.3f} {e['min_s']:7.3f} "
-                         f"{e['reductions']:10d} {e['gathers_per_forward']:11d}")
-        lines.append(f"{'':10s} {'speedup':22s} {entry['speedup']:8.2f}x "
+                         f"{e['reductions']:10d} {e['gathers_per_forward']:11d} "
+                         f"{e['retained_bytes'] / 2**20:9.2f}")
+        lines.append(f"{'':10s} {'speedup of buckets':22s} {entry['speedup']:8.2f}x "
                      f"{entry['speedup_min']:6.2f}x   (median, min); gradients rel L2 "
                      f"{entry['grad_rel_l2']:.1e}")
+        if "regather_time_ratio" in entry:
+            lines.append(f"{'':10s} {'re-gather / kept':22s} "
+                         f"{entry['regather_time_ratio']:8.2f}x "
+                         f"{entry['regather_time_ratio_min']:6.2f}x   (time, median, min); "
+                         f"gradients rel L2 {entry['kept_grad_rel_l2']:.1e}")
     lines.append("reductions: gradient reduce-scatters (or bucketed ones) per compute_gradients "
-                 "call; gathers/fwd: all-gathers in one forward of the step graph")
+                 "call; gathers/fwd: all-gathers in one forward of the step graph; kept MiB: "
+                 "what Retain's kept calls hold at the peak (reshard_after_forward: the "
+                 "parameters gathered again in the backward, or the gathered weights kept)")
     return "\n".join(lines)
 
 

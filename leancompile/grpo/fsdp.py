@@ -18,6 +18,16 @@ compiler's passes see them::
         w = wait_tensor(g)[:n]                         d_part = wait_tensor(d)
         y = x @ w.T ...                                return d_part
 
+Retain keeps the saved tensors of every trained step until the update; the partitioner would
+save the gathered weights in them (a full model per kept step). Its graphs are captured with
+``StepConfig(reshard_after_forward=True)`` instead (``GRPOConfig.reshard_after_forward``,
+``passes/regather_params.py``): the forward saves the part and the backward gathers again::
+
+    retain's backward graph (per parameter the backward reads):
+        g = all_gather_into_tensor(part, R, group)
+        w = wait_tensor(g)[:n]
+        dx = dy @ w ...; d = reduce_scatter_tensor(pad(dw), sum) ...
+
 ``torch.distributed.fsdp.fully_shard`` keeps its gathers in eager hooks around the module
 instead, out of reach of any graph pass: a model already wrapped in it can be trained with
 ``parallel="ddp"`` semantics only if it is not also sharded (see the docs).

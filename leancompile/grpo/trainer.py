@@ -122,6 +122,13 @@ class GRPOConfig:
     (``CompileOptions.bucket_cap_mb``, ``passes/bucket_collectives.py``), as
     ``DistributedDataParallel`` buckets its all-reduces (same default); None: one collective per
     parameter. No effect otherwise."""
+    reshard_after_forward: bool = True
+    """``parallel="fsdp"``, Retain: the kept calls hold this rank's parameter parts, not the
+    gathered weights; the update's backward gathers them again (``StepConfig.
+    reshard_after_forward``, ``passes/regather_params.py``), as ``fully_shard``'s default.
+    False: every kept call holds a full copy of the weights (no gather in the backward).
+    Recompute and Reweight run their backward right after the forward and keep the gathered
+    weights for it either way. No effect otherwise."""
     grad_sync: str = "auto"
     """When data-parallel Reweight reduces its corrected gradients over the ranks (once a
     group's advantages are in them; the gradients are the same either way): ``group`` (one
@@ -423,11 +430,19 @@ class GRPOTrainer:
         return {n: held.shapes[n] if held is not None and n in held.shapes else p.shape
                 for n, p in self.policy.named_parameters()}
 
-    def lean_step(self, keys, partitioner_budget: float | None = None) -> LeanStep:
-        """The policy step compiled with LeanGRPO schedules (one per condition keys and
-        partitioner budget)."""
+    def _regathers(self, schedule: str) -> bool:
+        """Whether ``schedule``'s step graphs gather the parameters again in the backward
+        (``GRPOConfig.reshard_after_forward``: Retain under ``fsdp``)."""
+        return self.sharding is not None and self.config.reshard_after_forward and \
+            schedule == "retain"
+
+    def lean_step(self, keys, partitioner_budget: float | None = None,
+                  regather: bool = False) -> LeanStep:
+        """The policy step compiled with LeanGRPO schedules (one per condition keys,
+        partitioner budget and ``regather``: the parameters gathered again in the backward,
+        ``_regathers``)."""
         cfg = self.config
-        key = (tuple(keys), partitioner_budget)
+        key = (tuple(keys), partitioner_budget, regather)
         if key not in self._steps:
             policy = self.policy if self.sharding is None else \
                 GatheredPolicy(self.policy, self.sharding)
@@ -445,7 +460,7 @@ class GRPOTrainer:
                     compiler=cfg.compiler, schedule="auto", overlap=cfg.overlap,
                     bucket_cap_mb=cfg.bucket_cap_mb if self.sharding is not None else None),
                 config=StepConfig(schedule="retain", partitioner_budget=partitioner_budget,
-                                  sample_output=0, sample_arg="prev_sample",
+                                  reshard_after_forward=regather, sample_output=0, sample_arg="prev_sample",
                                   zero_grads=ddp, defer_reductions=self.sharding is not None,
                                   fallback="recompute" if self.sharding is None else "raise"))
         return self._steps[key]
@@ -533,8 +548,8 @@ class GRPOTrainer:
         samples_in_flight = num_rows if cfg.global_std else (
             cfg.group_size if in_flight is None else in_flight)
 
-        def plans_for(partitioner_budget):
-            graph = self._graphs(self.lean_step(keys, partitioner_budget), example)
+        def plans_for(partitioner_budget, regather=False):
+            graph = self._graphs(self.lean_step(keys, partitioner_budget, regather), example)
             costs = self._costs(graph, num_rows)
             call_bytes = max(graph.kept_bytes(n) for n in rows_per_step)
             buffers = (samples_in_flight + (cfg.beta > 0) + held_grads) * self._grad_bytes()
@@ -551,7 +566,12 @@ class GRPOTrainer:
                 partitioner_budget=partitioner_budget, reweight_rows=rows,
                 held_grads=held_grads), graph
 
-        plans, graph = plans_for(None)
+        # Retain's graphs may differ from the others' (the parameters gathered again in the
+        # backward): its plan comes from its own, and an explicit retain captures only those.
+        regather = self._regathers("retain")
+        plans, graph = plans_for(None, regather and schedule == "retain")
+        if regather and schedule == "auto":
+            plans["retain"] = plans_for(None, True)[0]["retain"]
         if self.sequence_parallel is not None:
             plans["reweight"] = dataclasses.replace(
                 plans["reweight"], fits=False, seconds=None,
@@ -573,7 +593,7 @@ class GRPOTrainer:
         if name == "retain" or plans["retain"].fits:  # (a faster plan chosen on a device)
             return name, reason, plans, None, budget_bytes
         for partitioner_budget in cfg.partitioner_budgets:
-            smaller, _ = plans_for(partitioner_budget)
+            smaller, _ = plans_for(partitioner_budget, regather)
             if smaller["retain"].fits:
                 plans["retain"] = smaller["retain"]
                 return "retain", (f"retain with the partitioner's activation budget "
@@ -666,12 +686,13 @@ class GRPOTrainer:
             padding = self._fsdp_padding(layout, num_prompts=num_prompts, seed=seed,
                                          mask=mask, schedule=schedule)
             self._check_fsdp_calls(keys, example, padding, chunk_steps, schedule,
-                                   partitioner_budget)
+                                   partitioner_budget, self._regathers(schedule))
         sync_rounds = self._sync_rounds(schedule, layout, num_prompts=num_prompts, seed=seed)
         return _Setup(keys=keys, num_prompts=num_prompts, batch=batch, cond=cond,
                       cond_list=cond_list, selected=selected, latents0=latents0, noise=noise,
                       chunk_steps=chunk_steps, mask=mask,
-                      lean=self.lean_step(keys, partitioner_budget), schedule=schedule,
+                      lean=self.lean_step(keys, partitioner_budget,
+                                          self._regathers(schedule)), schedule=schedule,
                       reason=reason, plans=plans, partitioner_budget=partitioner_budget,
                       budget_bytes=budget_bytes, seed=seed, layout=layout, local=local,
                       owned=owned, units=units, padding=padding, sync_rounds=sync_rounds)
@@ -772,12 +793,12 @@ class GRPOTrainer:
         return padding
 
     def _check_fsdp_calls(self, keys, example, padding, chunk_steps, schedule: str,
-                          partitioner_budget=None) -> None:
+                          partitioner_budget=None, regather: bool = False) -> None:
         """The step's forward and inference graphs must gather the parameters in one order
         (a rank's untrained call pairs with another's trained one), and the ranks' padded
         calls must agree (they do by construction; compared across the ranks all the same,
         before the rollout, as a cheap guard against a rank drawing something else)."""
-        graph = self._graphs(self.lean_step(keys, partitioner_budget), example)
+        graph = self._graphs(self.lean_step(keys, partitioner_budget, regather), example)
         orders = {name: _gather_order(gm, graph.report, name)
                   for name, gm in (("forward", graph.forward), ("inference", graph.inference))
                   if gm is not None}
@@ -817,7 +838,10 @@ class GRPOTrainer:
             num_steps=st.noise.shape[0], selected_per_sample=st.chunk_steps[0].shape[1],
             saved_bytes_per_call=graph.kept_bytes(st.batch),
             memory_budget_bytes=st.budget_bytes, graph_nodes=nodes, pipeline=graph.report,
-            gradient_sync=sync, gradient_sync_note=sync_note)
+            gradient_sync=sync, gradient_sync_note=sync_note,
+            regather="" if graph.regather is None else
+            f"{st.schedule}: {graph.regather.summary()} (GRPOConfig(reshard_after_forward="
+            "False) keeps them)")
 
     # -- the main entry ----------------------------------------------------------------------
     def compute_gradients(self, conditions: Mapping[str, torch.Tensor], generator=None, *,

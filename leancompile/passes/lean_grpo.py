@@ -370,6 +370,9 @@ class ScheduleReport:
     and their bytes (empty in one process)."""
     gradient_sync_note: str = ""
     """Where those counts come from (parallelism, ranks, rounds of prompt groups)."""
+    regather: str = ""
+    """The chosen schedule's graphs gather parameters again in the backward
+    (``passes/regather_params.py``): which, and the bytes a kept call does not hold."""
 
     def __str__(self) -> str:
         lines = [
@@ -389,6 +392,8 @@ class ScheduleReport:
                 f"{name} {count} ({format_bytes(nbytes)})"
                 for name, (count, nbytes) in self.gradient_sync.items())
                 + f" [{self.gradient_sync_note}]")
+        if self.regather:
+            lines.append(self.regather)
         if self.pipeline is not None:
             for result in self.pipeline.pass_results(NAME):
                 if result.disabled:
