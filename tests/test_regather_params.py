@@ -5,7 +5,8 @@ On 2 gloo ranks, a model whose parameters are sharded and all-gathered inside th
 cast to bf16 before its gather, as a mixed-precision policy does; one gathered weight read
 twice) and whose input is gathered over the ranks' features (an activation gather, as sequence
 parallelism makes) runs a Retain rollout and update through ``lean_compile``, with and without
-the re-gather, under both compilers. Against eager autograd on the same shards: the gradients;
+the re-gather, under both compilers, and with the block that reads a weight a second time
+inside ``torch.utils.checkpoint`` (aot_eager). Against eager autograd on the same shards: the gradients;
 against the step without the re-gather: bitwise. What the graphs show: the forward saves no
 gathered weight (what a call keeps falls by the gathered bytes), the backward gathers the
 parameters again, the activation's gather is left alone with its reason.
@@ -20,14 +21,13 @@ import torch.distributed as dist
 
 from ranks import spawn
 
-AG = "_c10d_functional.all_gather_into_tensor.default"
-
 
 class ShardedMLP(torch.nn.Module):
     """Parts of ``w1``, ``b1``, ``w2`` (``Shard(0)`` rows, padded), gathered in the forward."""
 
-    def __init__(self, rank, world, d=8, h=12):
+    def __init__(self, rank, world, d=8, h=12, checkpoint=False):
         super().__init__()
+        self.checkpoint = checkpoint
         torch.manual_seed(0)
         full = {"w1": torch.randn(h, d * world) / d, "b1": torch.randn(h),
                 "w2": torch.randn(5, h) / h ** 0.5}
@@ -52,8 +52,15 @@ class ShardedMLP(torch.nn.Module):
         x = funcol.all_gather_tensor(x, 1, dist.group.WORLD)  # the ranks' features, [B, d * R]
         w1 = self.full("w1")
         h = torch.tanh(x @ w1.T + self.full("b1"))
-        h = h + 0.1 * torch.tanh(h @ w1[:, :h.shape[1]])  # w1 read a second time
+        if self.checkpoint:  # activation checkpointing around a block reading w1 again
+            h = torch.utils.checkpoint.checkpoint(self.block, h, w1, use_reentrant=False)
+        else:
+            h = self.block(h, w1)
         return (h.bfloat16() @ self.full("w2").T).float()
+
+    @staticmethod
+    def block(h, w1):
+        return h + 0.1 * torch.tanh(h @ w1[:, :h.shape[1]])  # w1 read a second time
 
 
 def _loop(model, fn, xs):
@@ -82,25 +89,26 @@ def _worker(rank, world, init, out, compilers):
     eager = ShardedMLP(rank, world)
     grads = {"eager": _loop(eager, eager, xs)}
     graphs = {}
-    for compiler in compilers:
-        for regather in (False, True):
-            torch._dynamo.reset()
-            model = ShardedMLP(rank, world)
-            step = leancompile.lean_compile(model, backend=compiler, schedule="retain",
-                                            reshard_after_forward=regather)
-            name = f"{compiler}/{regather}"
-            grads[name] = _loop(model, step, xs)
-            assert step.stats.reused_calls == step.stats.update_calls == len(xs), \
-                step.stats.summary()
-            (graph,) = step.graphs
-            found = graph.regather
-            graphs[name] = {
-                "kept": graph.kept_bytes(3),
-                "backward_gathers": sum(AG in str(n.target) or "all_gather_into_tensor"
-                                        in str(n.target) for n in graph.backward_aten.graph.nodes),
-                "sites": None if found is None else [s.parameter for s in found.sites],
-                "gathered_bytes": None if found is None else found.gathered_bytes,
-                "skipped": None if found is None else [r for _, r in found.skipped]}
+    variants = [(c, False, r) for c in compilers for r in (False, True)] + \
+        [("aot_eager", True, r) for r in (False, True)]
+    for compiler, checkpoint, regather in variants:
+        torch._dynamo.reset()
+        model = ShardedMLP(rank, world, checkpoint=checkpoint)
+        step = leancompile.lean_compile(model, backend=compiler, schedule="retain",
+                                        reshard_after_forward=regather)
+        name = f"{compiler}{'+checkpoint' if checkpoint else ''}/{regather}"
+        grads[name] = _loop(model, step, xs)
+        assert step.stats.reused_calls == step.stats.update_calls == len(xs), \
+            step.stats.summary()
+        (graph,) = step.graphs
+        found = graph.regather
+        graphs[name] = {
+            "kept": graph.kept_bytes(3),
+            "backward_gathers": sum("all_gather_into_tensor" in str(n.target)
+                                    for n in graph.backward_aten.graph.nodes),
+            "sites": None if found is None else [s.parameter for s in found.sites],
+            "gathered_bytes": None if found is None else found.gathered_bytes,
+            "skipped": None if found is None else [r for _, r in found.skipped]}
 
     def rel(a, b):
         return max(float((x - y).norm() / y.norm()) for x, y in zip(grads[a], grads[b]))
@@ -108,7 +116,8 @@ def _worker(rank, world, init, out, compilers):
     result = {"graphs": graphs,
               "vs_eager": {n: rel(n, "eager") for n in grads if n != "eager"},
               "bitwise": {c: all(torch.equal(a, b) for a, b in zip(
-                  grads[f"{c}/True"], grads[f"{c}/False"])) for c in compilers}}
+                  grads[f"{c}/True"], grads[f"{c}/False"]))
+                  for c in (*compilers, "aot_eager+checkpoint")}}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -119,7 +128,7 @@ def test_retain_regathers_parameters_in_the_backward(tmp_path, compilers):
     spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), compilers), nprocs=2)
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        for compiler in compilers:
+        for compiler in (*compilers, "aot_eager+checkpoint"):
             saved, regathered = got["graphs"][f"{compiler}/False"], \
                 got["graphs"][f"{compiler}/True"]
             # Without: the partitioner never recomputes a collective, the backward gathers

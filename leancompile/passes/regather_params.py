@@ -38,7 +38,10 @@ spares those), which is why the mark is needed.
 Find and mark are separate (``find_regather_sites``, ``mark_regather``). A gather is left as
 the partitioner makes it, with the reason, when its input is not a parameter reached through
 single-input ops (an activation gathered by sequence parallelism: its value is not held by the
-caller, re-gathering it would add communication the forward did not save). Not in ``PASSES``:
+caller, re-gathering it would add communication the forward did not save), or when it is inside
+a ``torch.utils.checkpoint`` region (that region's policy decides). Nodes of a checkpoint region
+that read the gathered weight keep their region's tags: the region recomputes them, and the
+weight it reads, marked here, is gathered again for it. Not in ``PASSES``:
 those run on the partitioned graphs; this one runs on the joint graph
 (``partition_with_regather``), for the graphs ``leancompile.capture`` traces with
 ``StepConfig(reshard_after_forward=True)``.
@@ -161,6 +164,10 @@ def find_regather_sites(graph: fx.Graph, *, num_fwd_outputs: int,
                                   "a parameter: re-gathering it in the backward would add "
                                   "communication; saved as the partitioner decides"))
             continue
+        if "recompute" in node.meta:
+            found.skipped.append((node.name, "inside a torch.utils.checkpoint region: its "
+                                  "policy decides whether the backward gathers again"))
+            continue
         waits = [u for u in node.users if _is_op(u, "wait_tensor")]
         if not waits or len(waits) != len(node.users):
             found.skipped.append((node.name, "its result is read by something other than "
@@ -173,8 +180,8 @@ def find_regather_sites(graph: fx.Graph, *, num_fwd_outputs: int,
     # concatenated) and constants: views, casts, transposes; recomputed with the gathers so
     # that none of it is saved. One pass in graph order (inputs come before their users).
     for node in graph.nodes:
-        if node in owner or node not in forward or not _pure(node):
-            continue
+        if node in owner or node not in forward or not _pure(node) or "recompute" in node.meta:
+            continue  # (a node of a checkpoint region keeps its region's policy)
         inputs = node.all_input_nodes
         if inputs and all(i in owner for i in inputs):
             owner[node] = owner[inputs[0]]
