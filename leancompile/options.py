@@ -107,6 +107,12 @@ class CompileOptions:
     become a few large ones. None: off. Reductions over more than two ranks may then round
     differently (the backend sums a larger buffer), so it is opt-in."""
 
+    gather_at_use: bool = False
+    """Move each parameter's all-gather (a gather of a graph input) to where the graph first
+    reads the gathered weight (``passes/gather_at_use.py``), so that a sharded step holds a few
+    gathered weights at a time rather than the whole model; with ``bucket_cap_mb`` the buckets
+    then follow the order of use, each issued one bucket ahead. Values are unchanged."""
+
     schedule: str | None = None
     """LeanGRPO schedule of a step wrapped by ``lean_compile(fn, schedule=...)``: ``auto``,
     ``retain``, ``reweight`` or ``recompute`` (see ``leancompile.step``); turns on the
@@ -163,6 +169,8 @@ class CompileOptions:
             raise ValueError(f"on_error={self.on_error!r} is not supported; use one of "
                              f"{_ON_ERROR_VALUES}")
         check_bucket_cap_mb(self.bucket_cap_mb)
+        if not isinstance(self.gather_at_use, bool):
+            raise ValueError(f"gather_at_use={self.gather_at_use!r} must be True or False")
         if not isinstance(self.attention_split, bool):
             raise ValueError(f"attention_split={self.attention_split!r} must be True or False")
         if not isinstance(self.strict, bool):
@@ -218,4 +226,5 @@ class CompileOptions:
                 "chunks_per_rank": self.chunks_per_rank, "chunks": self.chunks,
                 "on_error": self.on_error, "schedule": self.schedule, "strict": self.strict,
                 "device": self.device, "overlap_sites": dict(self.overlap_sites),
-                "attention_split": self.attention_split, "bucket_cap_mb": self.bucket_cap_mb}
+                "attention_split": self.attention_split, "bucket_cap_mb": self.bucket_cap_mb,
+                "gather_at_use": self.gather_at_use}

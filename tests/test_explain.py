@@ -18,9 +18,9 @@ def test_explain_mlp_shows_forward_and_backward(compiler):
     assert "aten.addmm" in forward.before and "aten.addmm" in forward.after
     assert "tangents_1" in backward.before and "tangents_1" in backward.after
     assert [p.name for p in forward.passes] == ["canonicalize", "lean_grpo", "flash_overlap",
-                                                   "bucket_collectives"]
-    assert forward.passes[1].disabled and forward.passes[2].disabled  # opt-in: no schedule=,
-    # no overlap= given
+                                                   "gather_at_use", "bucket_collectives"]
+    # opt-in: no schedule=, overlap=, gather_at_use= or bucket_cap_mb= given
+    assert all(p.disabled for p in forward.passes[1:])
     assert report is leancompile.last_report()
     text = str(report)
     assert "graph0_forward" in text and "graph0_backward" in text and "canonicalize" in text
@@ -29,8 +29,9 @@ def test_explain_mlp_shows_forward_and_backward(compiler):
 def test_explain_aot_eager_reports_rewrites_with_op_diff():
     report = leancompile.explain(mlp(), torch.randn(4, 16), compiler="aot_eager")
     backward = report.graph("backward")
-    result, _, flash, buckets = backward.passes
+    result, _, flash, at_use, buckets = backward.passes
     assert flash.name == "flash_overlap" and flash.disabled
+    assert at_use.name == "gather_at_use" and at_use.disabled
     assert buckets.name == "bucket_collectives" and buckets.disabled
     views = backward.op_counts_before["aten.view.default"]
     assert views > 0

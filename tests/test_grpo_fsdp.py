@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from leancompile.passes.gather_at_use import peak_gathered_bytes
+
 from grpo_reference import agreement, expected_syncs
 from models import ToyFlowPolicy, tiny_flux_policy
 from ranks import from_rank, spawn
@@ -138,8 +140,9 @@ def _fsdp_worker(rank, world, init, out, kind):
             trainer._steps = compiled[key]
         compiled[key] = trainer._steps
         # explain's prediction of the update's gradient reductions, before it runs
-        predicted = trainer.explain(case_conditions, torch.Generator().manual_seed(5),
-                                    schedule=schedule).gradient_sync[schedule]
+        explained = trainer.explain(case_conditions, torch.Generator().manual_seed(5),
+                                    schedule=schedule)
+        predicted = explained.gradient_sync[schedule]
         got = trainer.compute_gradients(case_conditions, torch.Generator().manual_seed(5),
                                         schedule=schedule)
         local = {n: tuple(p.shape) for n, p in trainer.policy.named_parameters()}
@@ -175,6 +178,10 @@ def _fsdp_worker(rank, world, init, out, kind):
             "backwards": lean.stats.backward_graphs_run,
             # Retain's backward gathers the parameters again (reshard_after_forward)
             "backward_gathers": sum("all_gather_into_tensor" in o for o in unrewritten),
+            # gathered weights alive at once in an untrained call (gather_at_use)
+            "inference_peak": peak_gathered_bytes(graph.inference),
+            "full_bytes": sum(torch.Size(s).numel() * 4 for s in shapes.values()),
+            "explained_peak": explained.gathered_peak,
             "rewards": float((got.rollout.rewards - ref_rewards).abs().max())})
     report = {"results": results}
     if kind == "toy":
@@ -309,6 +316,9 @@ def _check(ranks):
                 # The gathers are in the forward graph, the reductions in the backward graph,
                 # one per parameter.
                 assert entry["gathers"] == entry["parameters"], entry
+                # each gathered where it is first read: an untrained call never holds every
+                # gathered weight at once
+                assert entry["inference_peak"] < entry["full_bytes"], entry
                 assert entry["backward_rs"] == entry["reductions"], entry
                 assert entry["p2p"] == 0, entry
             elif entry["bucket_cap_mb"] >= 1:
@@ -324,6 +334,7 @@ def _check(ranks):
             # right after their forward, reads the gathered weights it saved.
             assert (entry["backward_gathers"] > 0) == (schedule == "retain"), entry
             assert entry["predicted_syncs"] == [entry["syncs"], entry["sync_bytes"]], entry
+            assert entry["explained_peak"]["inference"] == entry["inference_peak"], entry
             if schedule == "reweight":
                 # Taken out of the per-row backward: one reduce-scatter of every (padded) full
                 # gradient per round of prompt groups (grad_sync="update" or advantages that

@@ -28,6 +28,15 @@ __all__ = ["run_bucket_bench", "main"]
 _AG = "_c10d_functional.all_gather_into_tensor.default"
 
 
+def _gathered_peaks(trainer, keys, schedule) -> dict[str, int]:
+    """Per graph of ``schedule``'s step, the most bytes of gathered weights alive at once."""
+    from ..passes.gather_at_use import peak_gathered_bytes
+
+    graph = trainer.lean_step(keys, None, trainer._regathers(schedule)).graphs[0]
+    return {name: peak_gathered_bytes(gm) for name, gm in (
+        ("forward", graph.forward), ("inference", graph.inference)) if gm is not None}
+
+
 def _gathers_per_forward(trainer) -> int:
     """All-gathers in the forward graph of the trainer's step, after the passes."""
     counts = [r.op_counts_after.get(_AG, 0) for step in trainer._steps.values()
@@ -100,7 +109,9 @@ def run_bucket_bench(*, cap_mb: float = 25.0, rounds: int = 3, steps: int = 4, l
         out[s] = {name: {"median_s": statistics.median(times[name, s]),
                          "min_s": min(times[name, s]), "reductions": syncs[name, s],
                          "gathers_per_forward": _gathers_per_forward(trainers[name]),
-                         "retained_bytes": retained[name, s]}
+                         "retained_bytes": retained[name, s],
+                         "gathered_peak_bytes": _gathered_peaks(trainers[name],
+                                                                list(conditions), s)}
                   for name in names(s)}
         out[s]["speedup"] = statistics.median(a) / statistics.median(b)
         out[s]["speedup_min"] = min(a) / min(b)
@@ -123,7 +134,8 @@ def format_table(report: dict) -> str:
              f"bench FLUX {cfg['layers']}+{cfg['layers']} blocks, hidden {cfg['hidden']}, "
              f"{cfg['steps']} steps; {cfg['rounds']} interleaved rounds",
              f"{'schedule':10s} {'variant':22s} {'median s':>9s} {'min s':>7s} "
-             f"{'reductions':>10s} {'gathers/fwd':>11s} {'kept MiB':>9s}"]
+             f"{'reductions':>10s} {'gathers/fwd':>11s} {'kept MiB':>9s} "
+             f"{'gathered MiB inf/fwd':>21s}"]
     for s, entry in report["schedules"].items():
         for name in report["variants"]:
             if name not in entry:
@@ -131,7 +143,9 @@ def format_table(report: dict) -> str:
             e = entry[name]
             lines.append(f"{s:10s} {name:22s} {e['median_s']:9.3f} {e['min_s']:7.3f} "
                          f"{e['reductions']:10d} {e['gathers_per_forward']:11d} "
-                         f"{e['retained_bytes'] / 2**20:9.2f}")
+                         f"{e['retained_bytes'] / 2**20:9.2f} "
+                         f"{e['gathered_peak_bytes']['inference'] / 2**20:13.2f}/"
+                         f"{e['gathered_peak_bytes'].get('forward', 0) / 2**20:.2f}")
         lines.append(f"{'':10s} {'speedup of buckets':22s} {entry['speedup']:8.2f}x "
                      f"{entry['speedup_min']:6.2f}x   (median, min); gradients rel L2 "
                      f"{entry['grad_rel_l2']:.1e}")
@@ -143,7 +157,10 @@ def format_table(report: dict) -> str:
     lines.append("reductions: gradient reduce-scatters (or bucketed ones) per compute_gradients "
                  "call; gathers/fwd: all-gathers in one forward of the step graph; kept MiB: "
                  "what Retain's kept calls hold at the peak (reshard_after_forward: the "
-                 "parameters gathered again in the backward, or the gathered weights kept)")
+                 "parameters gathered again in the backward, or the gathered weights kept); "
+                 "gathered MiB: gathered weights alive at once in one call of the step's "
+                 "inference / forward graph (buckets follow the order of use, "
+                 "passes/gather_at_use.py: a cap below the model's size shows it)")
     return "\n".join(lines)
 
 

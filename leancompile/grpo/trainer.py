@@ -31,6 +31,7 @@ from torch.profiler import record_function
 
 from ..capture import RandomOpInGraphError
 from ..options import CompileOptions, check_bucket_cap_mb
+from ..passes.gather_at_use import peak_gathered_bytes
 from ..passes.bucket_collectives import NAME as BUCKETS, merged_counts
 from ..passes.lean_grpo import (SCHEDULES, SchedulePlan, ScheduleReport, StepCosts,
                                 build_schedule_plans, choose_schedule, graph_flops,
@@ -458,7 +459,8 @@ class GRPOTrainer:
             self._steps[key] = LeanStep(
                 module, options=CompileOptions(
                     compiler=cfg.compiler, schedule="auto", overlap=cfg.overlap,
-                    bucket_cap_mb=cfg.bucket_cap_mb if self.sharding is not None else None),
+                    bucket_cap_mb=cfg.bucket_cap_mb if self.sharding is not None else None,
+                    gather_at_use=self.sharding is not None),
                 config=StepConfig(schedule="retain", partitioner_budget=partitioner_budget,
                                   reshard_after_forward=regather, sample_output=0, sample_arg="prev_sample",
                                   zero_grads=ddp, defer_reductions=self.sharding is not None,
@@ -839,6 +841,10 @@ class GRPOTrainer:
             saved_bytes_per_call=graph.kept_bytes(st.batch),
             memory_budget_bytes=st.budget_bytes, graph_nodes=nodes, pipeline=graph.report,
             gradient_sync=sync, gradient_sync_note=sync_note,
+            gathered_peak={} if self.sharding is None else {
+                name: peak_gathered_bytes(gm) for name, gm in (
+                    ("forward", graph.forward), ("inference", graph.inference),
+                    ("backward", graph.backward)) if gm is not None},
             regather="" if graph.regather is None else
             f"{st.schedule}: {graph.regather.summary()} (GRPOConfig(reshard_after_forward="
             "False) keeps them)")

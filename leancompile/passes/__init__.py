@@ -10,15 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import bucket_collectives, canonicalize, flash_overlap, lean_grpo
+from . import bucket_collectives, canonicalize, flash_overlap, gather_at_use, lean_grpo
 from .bucket_collectives import bucket_collectives_pass
+from .gather_at_use import gather_at_use_pass
 from .canonicalize import canonicalize_pass
 from .flash_overlap import flash_overlap_pass
 from .lean_grpo import lean_grpo_pass
 from .result import PassResult, Site
 
 __all__ = ["PassSpec", "PASSES", "pass_names", "canonicalize_pass", "flash_overlap_pass",
-           "lean_grpo_pass", "bucket_collectives_pass", "PassResult", "Site"]
+           "lean_grpo_pass", "gather_at_use_pass", "bucket_collectives_pass", "PassResult", "Site"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,12 @@ PASSES: tuple[PassSpec, ...] = (
              doc="FlashOverlap (overlap='flash'|'slice'): collectives around matmuls to P2P "
                  "schedules", module_file=flash_overlap.__file__,
              active=lambda options: options.overlap is not None),
+    # After FlashOverlap (its schedules stay where they are), before the buckets (they then
+    # follow the order of use).
+    PassSpec(name=gather_at_use.NAME, fn=gather_at_use_pass, version=gather_at_use.VERSION,
+             doc="gathers at use (gather_at_use=True): each parameter's all-gather moved to "
+                 "where the gathered weight is first read", module_file=gather_at_use.__file__,
+             active=lambda options: options.gather_at_use),
     # After FlashOverlap: it buckets the collectives FlashOverlap left as they were.
     PassSpec(name=bucket_collectives.NAME, fn=bucket_collectives_pass,
              version=bucket_collectives.VERSION,

@@ -48,7 +48,12 @@ Where each bucket goes: its collective where its first member was issued (or rig
 last of its inputs is computed, if later), its wait and the unpacking right before the first
 read of any member's result (between the two, an asynchronous backend overlaps the transfer
 with the graph's compute). A gathered bucket's full tensors live from its collective to their
-last reader, so no bucket is issued earlier than its first member was. A collective joins the
+last reader, so no bucket is issued earlier than its first member was, with one exception:
+after ``gather_at_use`` (``CompileOptions(gather_at_use=True)``), which puts each parameter's
+gather at its first reader, a gathered bucket is issued right after the previous gathered
+bucket of its group is unpacked (or after a later input), one bucket ahead as FSDP2
+prefetches: while one bucket's layers compute, the next bucket's transfer runs, and no more
+than two buckets are gathered at once. A collective joins the
 open bucket of its kind, process group, dtype and reduction only if its input exists before
 that bucket's first read (an input computed later, such as a cast of the parameter just before
 its own gather, is moved up when it is a pure op of at most two steps over values that exist
@@ -76,7 +81,7 @@ __all__ = ["bucket_collectives_pass", "find_buckets", "move_inputs_up", "rewrite
            "VERSION", "NAME", "META_KEY", "merged_counts"]
 
 NAME = "bucket_collectives"
-VERSION = 2
+VERSION = 3
 
 _c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -312,18 +317,26 @@ def move_inputs_up(buckets: list[Bucket]) -> None:
             bucket.first_read.prepend(n)
 
 
-def rewrite_bucket(gm: fx.GraphModule, bucket: Bucket) -> bool:
+def rewrite_bucket(gm: fx.GraphModule, bucket: Bucket,
+                   prefetch_after: fx.Node | None = None) -> bool:
     """Merge ``bucket``'s collectives into one (module docstring: before and after), after
     ``move_inputs_up``. The collective goes where its first member was issued (or after a
     later input), not earlier: a gather issued at the top of the graph would hold its bucket's
     full parameters from there on (every bucket at once, for parameters, which are all graph
-    inputs). False (the graph unchanged) if its inputs are not all computed before its first
-    read (``find_buckets`` plans so that they are)."""
+    inputs). With ``prefetch_after`` (the end of the previous gathered bucket's unpacking,
+    ``gather_at_use``), right after it instead, or after a later input: one bucket ahead.
+    False (the graph unchanged) if its inputs are not all computed before its first read
+    (``find_buckets`` plans so that they are)."""
     graph = gm.graph
     members = bucket.members
     pos = {n: i for i, n in enumerate(graph.nodes)}
+    inputs = [m.input for m in members]
     # where its first member was issued, or later where an input is computed later
-    after = max([m.input for m in members] + [members[0].collective], key=pos.__getitem__)
+    after = max(inputs + [members[0].collective], key=pos.__getitem__)
+    if prefetch_after is not None:
+        ahead = max(inputs + [prefetch_after], key=pos.__getitem__)
+        if bucket.first_read is None or pos[ahead] < pos[bucket.first_read]:
+            after = ahead
     if bucket.first_read is not None and pos[after] >= pos[bucket.first_read]:
         return False
     group_size, group = bucket.key[0], bucket.key[1]
@@ -391,15 +404,19 @@ def bucket_collectives_pass(gm: fx.GraphModule, options) -> PassResult:
     cap = int(options.bucket_cap_mb * 2 ** 20)
     buckets = find_buckets(gm, cap, result)
     move_inputs_up(buckets)
+    prefetch = getattr(options, "gather_at_use", False)
+    unpacked: dict[tuple, fx.Node] = {}  # per key: the end of its last gathered bucket
     j = 0
     for bucket in buckets:
         sites = [(m.collective.name, str(m.collective.target)) for m in bucket.members]
-        if not rewrite_bucket(gm, bucket):
+        if not rewrite_bucket(gm, bucket, unpacked.get(bucket.key) if prefetch else None):
             for m in bucket.members:
                 result.skip(m.collective, bucket.kind, "its bucket's inputs are not all "
                             "computed before its first read once the inputs are moved up "
                             "(left alone; please report this graph)")
             continue
+        if bucket.kind == "all_gather" and bucket.first_read is not None:
+            unpacked[bucket.key] = bucket.first_read.prev
         result.rewritten += [Site(node=name, kind=f"{bucket.kind} into bucket {j}",
                                   target=target) for name, target in sites]
         result.notes.append(bucket.describe())

@@ -373,6 +373,9 @@ class ScheduleReport:
     regather: str = ""
     """The chosen schedule's graphs gather parameters again in the backward
     (``passes/regather_params.py``): which, and the bytes a kept call does not hold."""
+    gathered_peak: dict[str, int] = field(default_factory=dict)
+    """Sharded parameters: per graph of the chosen schedule's step, the most bytes of gathered
+    weights alive at once (``passes/gather_at_use.peak_gathered_bytes``)."""
 
     def __str__(self) -> str:
         lines = [
@@ -394,6 +397,9 @@ class ScheduleReport:
                 + f" [{self.gradient_sync_note}]")
         if self.regather:
             lines.append(self.regather)
+        if self.gathered_peak:
+            lines.append("gathered weights alive at the peak (per call): " + ", ".join(
+                f"{name} {format_bytes(n)}" for name, n in self.gathered_peak.items()))
         if self.pipeline is not None:
             for result in self.pipeline.pass_results(NAME):
                 if result.disabled:

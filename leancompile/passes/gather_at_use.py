@@ -1,0 +1,194 @@
+"""Gather at use: each parameter's all-gather moved down to where the graph first reads the
+gathered weight (``CompileOptions(gather_at_use=True)``).
+
+A sharded step that gathers its parameters inside the traced call often gathers them all
+before any compute: ``GRPOTrainer(parallel="fsdp")`` gathers every part and then runs the
+policy on the full tensors (``torch.func.functional_call``), and a model that reads its
+parameters through one dict does the same. The graph then holds the whole model, gathered,
+from its first node to each weight's last reader, which is the memory FSDP exists to avoid.
+This pass moves each gather, its wait and what the graph computes from the gathered weight
+alone (the slice that cuts the padding, casts, transposes) to right before the first node that
+reads them with anything else; what came before stays where it was (a cast of the part before
+its gather: a shard's worth of memory). Run before ``bucket_collectives``, whose buckets then
+follow the order in which the model uses its weights, each issued one bucket ahead
+(``passes/bucket_collectives.py``).
+
+Before (two parameters, all gathers first)::
+
+    g1 = all_gather_into_tensor(p1, R, group);  w1 = wait_tensor(g1);  t1 = permute(w1[:n1])
+    g2 = all_gather_into_tensor(p2, R, group);  w2 = wait_tensor(g2);  t2 = permute(w2[:n2])
+    h = mm(x, t1) ...
+    y = mm(h, t2) ...
+
+After (each weight gathered where it is first read)::
+
+    g1 = all_gather_into_tensor(p1, R, group);  w1 = wait_tensor(g1);  t1 = permute(w1[:n1])
+    h = mm(x, t1) ...
+    g2 = all_gather_into_tensor(p2, R, group);  w2 = wait_tensor(g2);  t2 = permute(w2[:n2])
+    y = mm(h, t2) ...
+
+Legal: a moved node's inputs are graph inputs (the part, or a value computed from it before
+the gather, which stays where it is) or nodes moved with it, so every input still comes first;
+nothing between the old and the new place reads a moved value (the new place is the first
+reader). The moved gathers keep their relative order where their first readers keep theirs,
+and every rank holds the same graph and moves the same nodes, so the ranks' collectives still
+pair. Values are unchanged bit for bit: only the order of independent nodes changes.
+
+Left alone, each with the reason: a gather of a value the graph computes (an activation, as
+sequence parallelism gathers), a piece of an overlap schedule, a gather already at its first
+reader, one whose result is never read or is read before its wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .flash_overlap import SITE_META
+from .result import PassResult, recompile
+
+__all__ = ["gather_at_use_pass", "find_gathers_to_move", "move_gather", "GatherMove",
+           "NAME", "VERSION", "peak_gathered_bytes"]
+
+NAME = "gather_at_use"
+VERSION = 1
+
+_c10d = torch.ops._c10d_functional
+ALL_GATHER = _c10d.all_gather_into_tensor.default
+WAIT = _c10d.wait_tensor.default
+KIND = "all_gather"
+
+
+def _pure(node: fx.Node) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.namespace not in ("aten", "prims") or target._schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def _graph_input(node) -> fx.Node | None:
+    """The placeholder ``node`` is computed from through pure single-input ops, or None."""
+    while isinstance(node, fx.Node) and _pure(node) and len(node.all_input_nodes) == 1:
+        node = node.all_input_nodes[0]
+    return node if isinstance(node, fx.Node) and node.op == "placeholder" else None
+
+
+@dataclass
+class GatherMove:
+    """One gather, its waits and the nodes computed from its result alone, in graph order,
+    to be moved right before ``first_read``."""
+
+    gather: fx.Node
+    nodes: list[fx.Node]
+    first_read: fx.Node
+
+
+def find_gathers_to_move(gm: fx.GraphModule, result: PassResult) -> list[GatherMove]:
+    """The all-gathers of graph inputs whose first reader comes later than their result
+    (module docstring); every other all-gather goes to ``result`` with its reason."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    moves = []
+    for node in nodes:
+        if node.op != "call_function" or node.target is not ALL_GATHER:
+            continue
+        if SITE_META in node.meta:
+            result.skip(node, KIND, f"a piece of the overlap pass's schedule for "
+                                    f"{node.meta[SITE_META]}")
+            continue
+        if _graph_input(node.args[0]) is None:
+            result.skip(node, KIND, "gathers a value the graph computes (an activation), "
+                                    "not a graph input: it stays where that value is made")
+            continue
+        waits = list(node.users)
+        if not waits or any(w.target is not WAIT for w in waits):
+            result.skip(node, KIND, "its result is read before a wait_tensor (or never "
+                                    "waited on)")
+            continue
+        # The nodes computed from this gather's result alone (views, casts, transposes).
+        own, frontier = set(waits), list(waits)
+        while frontier:
+            for user in frontier.pop().users:
+                if user not in own and _pure(user) and all(
+                        i in own for i in user.all_input_nodes):
+                    own.add(user)
+                    frontier.append(user)
+        readers = [u for n in own for u in n.users if u not in own]
+        if not readers:
+            result.skip(node, KIND, "its result is never read")
+            continue
+        first_read = min(readers, key=pos.__getitem__)
+        moved = [node, *sorted(own, key=pos.__getitem__)]
+        if all(pos[n] == pos[first_read] - len(moved) + i for i, n in enumerate(moved)):
+            result.skip(node, KIND, "already right before its first reader "
+                                    f"({first_read.name})")
+            continue
+        moves.append(GatherMove(gather=node, nodes=moved, first_read=first_read))
+    return moves
+
+
+def move_gather(move: GatherMove) -> None:
+    """Move ``move.nodes`` (in their order) to right before ``move.first_read``."""
+    for node in move.nodes:
+        move.first_read.prepend(node)
+
+
+def peak_gathered_bytes(gm: fx.GraphModule) -> int:
+    """The most bytes of all-gather results, and of what the graph computes from them alone,
+    alive at once when ``gm`` runs in its node order (a gathered buffer lives from its
+    collective, where an asynchronous backend allocates it, to the last reader of its wait;
+    other values from their node to their last reader; views count once, with what they view;
+    graph outputs live to the end). A static measure of how much of a sharded model a graph
+    holds gathered."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    gathered: set[fx.Node] = set()
+    sizes: dict[fx.Node, int] = {}
+    end: dict[fx.Node, int] = {}
+    root: dict[fx.Node, fx.Node] = {}
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is ALL_GATHER:  # its output buffer exists from here (async backends)
+            gathered.add(node)
+            root[node] = node
+        elif node.target is WAIT and node.args[0] in gathered:  # the same tensor
+            gathered.add(node)
+            root[node] = root[node.args[0]]
+        elif _pure(node) and node.all_input_nodes and all(
+                i in gathered for i in node.all_input_nodes):
+            gathered.add(node)
+            is_view = any(r.alias_info is not None for r in node.target._schema.returns)
+            root[node] = root[node.all_input_nodes[0]] if is_view else node
+        else:
+            continue
+        val = node.meta.get("val")
+        if root[node] is node:
+            sizes[node] = val.untyped_storage().nbytes() if isinstance(val, torch.Tensor) \
+                and all(isinstance(s, int) for s in val.shape) else 0
+        last = max((pos[u] if u.op != "output" else len(nodes) for u in node.users),
+                   default=pos[node])
+        end[root[node]] = max(end.get(root[node], pos[node]), last)
+    events = sorted([(pos[n], s) for n, s in sizes.items()] +
+                    [(end[n] + 0.5, -s) for n, s in sizes.items()])
+    live = peak = 0
+    for _, delta in events:
+        live += delta
+        peak = max(peak, live)
+    return peak
+
+
+def gather_at_use_pass(gm: fx.GraphModule, options) -> PassResult:
+    result = PassResult(name=NAME)
+    moves = find_gathers_to_move(gm, result)
+    for move in moves:
+        move_gather(move)
+        result.rewrite(move.gather, f"{KIND} moved to its first reader ({move.first_read.name})")
+    if moves:
+        gm.graph.lint()
+        recompile(gm)
+    return result

@@ -1,0 +1,120 @@
+"""Gathers at use (``CompileOptions(gather_at_use=True)``, ``passes/gather_at_use.py``).
+
+Decisions on graphs traced here with ``make_fx`` (fake tensors, no process group): a step that
+gathers every parameter first, as ``GRPOTrainer(parallel="fsdp")`` traces, gets each gather
+moved to its weight's first reader with the slice and transpose computed from it; a cast of the
+part before its gather stays; an activation's gather stays with its reason; the graph holds one
+gathered weight at a time instead of all (``peak_gathered_bytes``). With buckets, each bucket
+is issued one ahead: right after the previous bucket is unpacked, before that bucket's first
+reader. Values: the fsdp trainer's tests (``tests/test_grpo_fsdp.py``) run with the pass on.
+"""
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from leancompile.options import CompileOptions
+from leancompile.passes.bucket_collectives import bucket_collectives_pass
+from leancompile.passes.gather_at_use import gather_at_use_pass, peak_gathered_bytes
+
+c10d = torch.ops._c10d_functional
+AG = c10d.all_gather_into_tensor.default
+
+
+def _gather(x, ranks=2):
+    return c10d.wait_tensor(c10d.all_gather_into_tensor(x, ranks, "0"))
+
+
+def _layers(x, a, b, c, d):
+    """Four parameters' parts gathered first (c cast to bf16 before its gather), then four
+    layers reading them in order; the features of a value computed from x gathered too (an
+    activation)."""
+    w = [_gather(a)[:15].t(), _gather(b).t(), _gather(c.bfloat16()).float().t(), _gather(d).t()]
+    h = _gather((x + x.mean()).t().contiguous()).t()  # an activation's features: [B, 16]
+    for weight in w:
+        h = torch.tanh(h @ weight)
+    return h
+
+
+def _args():
+    return (torch.randn(4, 8), torch.randn(8, 16), torch.randn(8, 15), torch.randn(8, 16),
+            torch.randn(8, 16))
+
+
+def _order(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_each_gather_moves_to_its_first_reader_and_the_peak_falls():
+    gm = make_fx(_layers, tracing_mode="fake")(*_args())
+    before = peak_gathered_bytes(gm)
+    result = gather_at_use_pass(gm, CompileOptions(gather_at_use=True))
+    after = peak_gathered_bytes(gm)
+    nodes = _order(gm)
+    gathers = [n for n in nodes if n.target is AG]
+    mms = [n for n in nodes if n.target is torch.ops.aten.mm.default]
+    # the four weights' gathers, each between the previous layer's matmul and its own
+    param_gathers = [g for g in gathers if g.name in {s.node for s in result.rewritten}]
+    assert len(param_gathers) == 4 and len(mms) == 4, result.summary()
+    for i, (gather, mm) in enumerate(zip(param_gathers, mms)):
+        assert nodes.index(gather) < nodes.index(mm), (gather, mm)
+        if i:
+            assert nodes.index(mms[i - 1]) < nodes.index(gather), (gather, mms[i - 1])
+    # the cast of c before its gather stayed where it was (before every matmul)
+    cast = next(n for n in nodes if n.target is torch.ops.aten._to_copy.default
+                and n.kwargs.get("dtype") is torch.bfloat16)
+    assert nodes.index(cast) < nodes.index(mms[0])
+    # the activation's gather is left alone, with the reason
+    reasons = {s.node: s.reason for s in result.skipped}
+    assert len(reasons) == 1 and "not a graph input" in next(iter(reasons.values())), reasons
+    # all four gathered weights alive at once before; one (the largest, with its transposed
+    # copy where a transpose copies) after
+    fp32 = 16 * 16 * 4
+    assert before >= 3 * fp32 + 16 * 16 * 2, before
+    assert after <= 2 * fp32 + 16 * 16 * 2 and after < before, (before, after)
+    gm.graph.lint()
+
+
+def test_only_the_order_changes():
+    traced = make_fx(_layers, tracing_mode="fake")(*_args())
+    moved = make_fx(_layers, tracing_mode="fake")(*_args())
+    gather_at_use_pass(moved, CompileOptions(gather_at_use=True))
+    assert [n.format_node() for n in traced.graph.nodes] != \
+        [n.format_node() for n in moved.graph.nodes]
+    assert sorted(n.format_node() for n in traced.graph.nodes) == \
+        sorted(n.format_node() for n in moved.graph.nodes)
+
+
+def _fp32_layers(x, a, b, c, d):
+    w = [_gather(p).t() for p in (a, b, c, d)]
+    for weight in w:
+        x = torch.tanh(x @ weight)
+    return x
+
+
+def test_buckets_after_gather_at_use_are_issued_one_ahead():
+    args = (torch.randn(4, 16),) + tuple(torch.randn(8, 16) for _ in range(4))
+    gm = make_fx(_fp32_layers, tracing_mode="fake")(*args)
+    # two parts (2 x 512 bytes) per bucket
+    options = CompileOptions(gather_at_use=True, bucket_cap_mb=2 * 8 * 16 * 4 / 2 ** 20)
+    gather_at_use_pass(gm, options)
+    result = bucket_collectives_pass(gm, options)
+    assert [s.kind for s in result.rewritten] == ["all_gather into bucket 0"] * 2 + \
+        ["all_gather into bucket 1"] * 2, result.summary()
+    nodes = _order(gm)
+    gathers = [n for n in nodes if n.target is AG]
+    waits = [n for n in nodes if n.target is c10d.wait_tensor.default]
+    mms = [n for n in nodes if n.target is torch.ops.aten.mm.default]
+    at = nodes.index
+    # bucket 0 at the first layer; bucket 1 issued after bucket 0's wait, before layer 0
+    # computes (one ahead), waited on right before layer 2, its first reader
+    assert len(gathers) == 2 and at(gathers[0]) < at(waits[0]) < at(gathers[1]) < at(mms[0])
+    assert at(mms[1]) < at(waits[1]) < at(mms[2]), [n.name for n in nodes]
+    # without gather_at_use the buckets stay where their first members were (the top)
+    plain = make_fx(_fp32_layers, tracing_mode="fake")(*args)
+    bucket_collectives_pass(plain, CompileOptions(bucket_cap_mb=options.bucket_cap_mb))
+    nodes = _order(plain)
+    gathers = [n for n in nodes if n.target is AG]
+    mms = [n for n in nodes if n.target is torch.ops.aten.mm.default]
+    assert nodes.index(gathers[1]) < nodes.index(mms[0])
+    assert peak_gathered_bytes(gm) < peak_gathered_bytes(plain)
+    gm.graph.lint()
