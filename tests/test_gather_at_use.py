@@ -25,11 +25,11 @@ def _gather(x, ranks=2):
 
 
 def _layers(x, a, b, c, d):
-    """Four parameters' parts gathered first (c cast to bf16 before its gather), then four
-    layers reading them in order; the features of a value computed from x gathered too (an
-    activation)."""
-    w = [_gather(a)[:15].t(), _gather(b).t(), _gather(c.bfloat16()).float().t(), _gather(d).t()]
+    """The features of a value computed from x gathered (an activation), then four
+    parameters' parts (c cast to bf16 before its gather), then four layers reading them in
+    order."""
     h = _gather((x + x.mean()).t().contiguous()).t()  # an activation's features: [B, 16]
+    w = [_gather(a)[:15].t(), _gather(b).t(), _gather(c.bfloat16()).float().t(), _gather(d).t()]
     for weight in w:
         h = torch.tanh(h @ weight)
     return h
@@ -72,6 +72,27 @@ def test_each_gather_moves_to_its_first_reader_and_the_peak_falls():
     assert before >= 3 * fp32 + 16 * 16 * 2, before
     assert after <= 2 * fp32 + 16 * 16 * 2 and after < before, (before, after)
     gm.graph.lint()
+
+
+def test_collectives_keep_their_order():
+    def two(x, a, b):  # b's weight is read first, and another gather comes after both
+        wa, wb = _gather(a).t(), _gather(b).t()
+        y = _gather((x + 1).contiguous())
+        return torch.tanh(y[:4] @ wb) @ wa
+
+    gm = make_fx(two, tracing_mode="fake")(torch.randn(4, 16), torch.randn(8, 16),
+                                           torch.randn(8, 16))
+    result = gather_at_use_pass(gm, CompileOptions(gather_at_use=True))
+    nodes = _order(gm)
+    gathers = [n.args[0].name for n in nodes if n.target is AG]
+    # a, b and the third gather (of x + 1, a graph input through one op) in their traced
+    # order: the third is already at its first reader, so a and b go no further than it
+    # (though b's weight is read first and a's last)
+    assert gathers == ["a_1", "b_1", "add"], gathers
+    assert [s.reason for s in result.skipped] == ["already right before its first reader (mm)"]
+    moved = "all_gather moved down to the next collective, which comes first"
+    assert sorted(s.kind for s in result.rewritten) == [
+        f"{moved} (all_gather_into_tensor_1)", f"{moved} (all_gather_into_tensor_2)"]
 
 
 def test_only_the_order_changes():

@@ -6,10 +6,10 @@ cast to bf16 before its gather, as a mixed-precision policy does; one gathered w
 twice) and whose input is gathered over the ranks' features (an activation gather, as sequence
 parallelism makes) runs a Retain rollout and update through ``lean_compile``, with and without
 the re-gather, under both compilers, and with the block that reads a weight a second time
-inside ``torch.utils.checkpoint`` (aot_eager). Against eager autograd on the same shards: the gradients;
-against the step without the re-gather: bitwise. What the graphs show: the forward saves no
-gathered weight (what a call keeps falls by the gathered bytes), the backward gathers the
-parameters again, the activation's gather is left alone with its reason.
+inside ``torch.utils.checkpoint`` (aot_eager). Against eager autograd on the same shards: the
+gradients; against the step without the re-gather: bitwise. What the graphs show: the forward
+saves no gathered weight (what a call keeps falls by the gathered bytes), the backward gathers
+the parameters again, the activation's gather is left alone with its reason.
 """
 
 import json

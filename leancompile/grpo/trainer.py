@@ -462,7 +462,8 @@ class GRPOTrainer:
                     bucket_cap_mb=cfg.bucket_cap_mb if self.sharding is not None else None,
                     gather_at_use=self.sharding is not None),
                 config=StepConfig(schedule="retain", partitioner_budget=partitioner_budget,
-                                  reshard_after_forward=regather, sample_output=0, sample_arg="prev_sample",
+                                  reshard_after_forward=regather, sample_output=0,
+                                  sample_arg="prev_sample",
                                   zero_grads=ddp, defer_reductions=self.sharding is not None,
                                   fallback="recompute" if self.sharding is None else "raise"))
         return self._steps[key]

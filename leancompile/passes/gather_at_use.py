@@ -30,9 +30,12 @@ After (each weight gathered where it is first read)::
 Legal: a moved node's inputs are graph inputs (the part, or a value computed from it before
 the gather, which stays where it is) or nodes moved with it, so every input still comes first;
 nothing between the old and the new place reads a moved value (the new place is the first
-reader). The moved gathers keep their relative order where their first readers keep theirs,
-and every rank holds the same graph and moves the same nodes, so the ranks' collectives still
-pair. Values are unchanged bit for bit: only the order of independent nodes changes.
+reader). The collectives keep their order: a gather moves no further than the next
+collective (the next gather's new place, or one that stays), so every rank, and the forward and
+inference graphs of one step (which a compiler may lay out differently: under Inductor their
+first readers come in different orders), issue the same collectives in the same order as
+before the pass. Values are unchanged bit for bit: only the order of independent nodes
+changes.
 
 Left alone, each with the reason: a gather of a value the graph computes (an activation, as
 sequence parallelism gathers), a piece of an overlap schedule, a gather already at its first
@@ -80,16 +83,24 @@ def _graph_input(node) -> fx.Node | None:
 @dataclass
 class GatherMove:
     """One gather, its waits and the nodes computed from its result alone, in graph order,
-    to be moved right before ``first_read``."""
+    to be moved right before ``before``: its first reader, or earlier where the next
+    collective already comes first."""
 
     gather: fx.Node
     nodes: list[fx.Node]
     first_read: fx.Node
+    before: fx.Node | None = None
+
+
+def _is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "namespace", None) in (
+        "_c10d_functional", "c10d_functional") and node.target is not WAIT
 
 
 def find_gathers_to_move(gm: fx.GraphModule, result: PassResult) -> list[GatherMove]:
-    """The all-gathers of graph inputs whose first reader comes later than their result
-    (module docstring); every other all-gather goes to ``result`` with its reason."""
+    """The all-gathers of graph inputs that can move closer to their first reader (module
+    docstring), each with the node to move before; every other all-gather goes to ``result``
+    with its reason."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     moves = []
@@ -121,20 +132,47 @@ def find_gathers_to_move(gm: fx.GraphModule, result: PassResult) -> list[GatherM
         if not readers:
             result.skip(node, KIND, "its result is never read")
             continue
-        first_read = min(readers, key=pos.__getitem__)
-        moved = [node, *sorted(own, key=pos.__getitem__)]
-        if all(pos[n] == pos[first_read] - len(moved) + i for i, n in enumerate(moved)):
-            result.skip(node, KIND, "already right before its first reader "
-                                    f"({first_read.name})")
-            continue
-        moves.append(GatherMove(gather=node, nodes=moved, first_read=first_read))
-    return moves
+        moves.append(GatherMove(gather=node, nodes=[node, *sorted(own, key=pos.__getitem__)],
+                                first_read=min(readers, key=pos.__getitem__)))
+    # The collectives keep their order: a gather goes no later than the next one's new place,
+    # nor past a collective that stays (every rank, and the forward and inference graphs of
+    # one step, then issue the same collectives in the same order as before the pass).
+    # Decided from the last gather up, and moved in that order (``move_gather``).
+    moving = {m.gather for m in moves}
+    staying_after: dict[fx.Node, fx.Node | None] = {}
+    nxt = None
+    for node in reversed(nodes):
+        if node in moving:
+            staying_after[node] = nxt
+        elif _is_collective(node):
+            nxt = node
+    kept: list[GatherMove] = []
+    later: tuple[float, fx.Node] | None = None  # (position, node) of the next gather, moved
+    for move in reversed(moves):
+        limits = [(pos[move.first_read], move.first_read)]
+        if staying_after[move.gather] is not None:
+            limits.append((pos[staying_after[move.gather]], staying_after[move.gather]))
+        if later is not None:
+            limits.append(later)
+        at, move.before = min(limits, key=lambda limit: limit[0])
+        in_place = move.before in nodes and all(
+            pos[n] == at - len(move.nodes) + i for i, n in enumerate(move.nodes))
+        if in_place:
+            what = "its first reader" if move.before is move.first_read else \
+                "the next collective"
+            result.skip(move.gather, KIND, f"already right before {what} "
+                                           f"({move.before.name})")
+            later = (pos[move.gather], move.gather)
+        else:
+            kept.append(move)
+            later = (at - 0.5, move.gather)  # right before ``move.before``, once moved
+    return kept  # last gather first: each moves before a node that is already in place
 
 
 def move_gather(move: GatherMove) -> None:
-    """Move ``move.nodes`` (in their order) to right before ``move.first_read``."""
+    """Move ``move.nodes`` (in their order) to right before ``move.before``."""
     for node in move.nodes:
-        move.first_read.prepend(node)
+        move.before.prepend(node)
 
 
 def peak_gathered_bytes(gm: fx.GraphModule) -> int:
@@ -187,7 +225,9 @@ def gather_at_use_pass(gm: fx.GraphModule, options) -> PassResult:
     moves = find_gathers_to_move(gm, result)
     for move in moves:
         move_gather(move)
-        result.rewrite(move.gather, f"{KIND} moved to its first reader ({move.first_read.name})")
+        where = "its first reader" if move.before is move.first_read else \
+            "the next collective, which comes first"
+        result.rewrite(move.gather, f"{KIND} moved down to {where} ({move.before.name})")
     if moves:
         gm.graph.lint()
         recompile(gm)
