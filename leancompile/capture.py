@@ -374,14 +374,16 @@ def without_saved(forward: fx.GraphModule, num_outputs: int) -> fx.GraphModule:
     return graph
 
 
-def _trace(gm: fx.GraphModule, inputs, patches: dict, regather: set[int] | None = None) -> dict:
+def _trace(gm: fx.GraphModule, inputs, patches: dict, regather: set[int] | None = None,
+           held: set[int] = frozenset()) -> dict:
     """One AOTAutograd trace of ``gm`` (Inductor's decompositions, the min-cut partitioner),
     with gradients when an input needs them: ``{"forward", "backward", "inference": (graph,
     inputs), "meta": the forward's ViewAndMutationMeta}``, the inference graph
     ``without_saved`` when there is a backward. ``capture_graph`` and
     ``StepGraphs.fingerprints_at`` trace alike, so their fingerprints compare. ``regather``:
     the input positions of parameters whose all-gathers the backward recomputes
-    (``passes/regather_params.py``; what it found is ``captured["regather"]``)."""
+    (``passes/regather_params.py``; what it found is ``captured["regather"]``), ``held``
+    those of buffers (what the recomputed nodes may read besides)."""
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._guards import TracingContext
@@ -405,7 +407,7 @@ def _trace(gm: fx.GraphModule, inputs, patches: dict, regather: set[int] | None 
 
         captured["regather"] = []
         partition_fn = partition_with_regather(partition_fn, params=regather,
-                                               record=captured["regather"])
+                                               record=captured["regather"], static=held)
     # Effect tokens (ops with side effects, e.g. linalg.inv's error checks) made and sunk inside
     # the graphs, as Inductor has them: no extra token inputs or outputs to account for.
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True,
@@ -455,7 +457,8 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
         patches["activation_memory_budget"] = memory_budget
     params = {i for i, r in enumerate(roles) if r.kind == "param"}
     captured = _trace(gm, example_inputs, patches,
-                      regather=params if reshard_after_forward else None)
+                      regather=params if reshard_after_forward else None,
+                      held={i for i, r in enumerate(roles) if r.kind == "buffer"})
     regather = captured["regather"][-1] if captured.get("regather") else None
     inference, inf_inputs = captured["inference"]
     fingerprint, reached = _structural_hashes(inference, roles)

@@ -139,6 +139,9 @@ class StepConfig:
                              "drawn sample and the keyword the update passes it back in")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction={self.memory_fraction} must be in (0, 1]")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r} must be "
+                             "True or False")
         if self.reweight_rows is not None and self.reweight_rows < 1:
             raise ValueError(f"reweight_rows={self.reweight_rows} must be >= 1 (rows per "
                              "vectorised backward) or None (from the memory budget)")
@@ -1643,7 +1646,8 @@ def lean_compile(fn=None, *, backend: str = "inductor", **options):
     ``update()`` phases in which an update call reuses the rollout's forward (LeanGRPO). It
     also takes ``sample_output`` and ``sample_arg`` (a step that draws its sample inside),
     ``memory_budget_bytes`` and ``memory_fraction`` (``auto``'s budget), ``partitioner_budget``,
-    ``reshard_after_forward`` and ``reweight_rows``; see ``StepConfig``. Any other keyword raises ``TypeError``.
+    ``reshard_after_forward`` and ``reweight_rows``; see ``StepConfig``. Any other keyword
+    raises ``TypeError``.
     """
     compile_kwargs = {k: options.pop(k) for k in _TORCH_COMPILE_KWARGS if k in options}
     step_kwargs = {k: options.pop(k) for k in _STEP_KWARGS if k in options}

@@ -6,7 +6,10 @@ moved to its weight's first reader with the slice and transpose computed from it
 part before its gather stays; an activation's gather stays with its reason; the graph holds one
 gathered weight at a time instead of all (``peak_gathered_bytes``). With buckets, each bucket
 is issued one ahead: right after the previous bucket is unpacked, before that bucket's first
-reader. Values: the fsdp trainer's tests (``tests/test_grpo_fsdp.py``) run with the pass on.
+reader. The communication keeps its order: two layouts of one step (as Inductor lays out a
+forward and an inference graph) issue the same gathers in the same order after both passes; a
+gather does not move past a mutation of its part; a fused weight split in pieces moves with its
+pieces. Values: the fsdp trainer's tests (``tests/test_grpo_fsdp.py``) run with the pass on.
 """
 
 import torch
@@ -90,7 +93,8 @@ def test_collectives_keep_their_order():
     # (though b's weight is read first and a's last)
     assert gathers == ["a_1", "b_1", "add"], gathers
     assert [s.reason for s in result.skipped] == ["already right before its first reader (mm)"]
-    moved = "all_gather moved down to the next collective, which comes first"
+    moved = ("all_gather moved down to the next collective or other effectful node, which "
+             "comes first")
     assert sorted(s.kind for s in result.rewritten) == [
         f"{moved} (all_gather_into_tensor_1)", f"{moved} (all_gather_into_tensor_2)"]
 
@@ -139,3 +143,77 @@ def test_buckets_after_gather_at_use_are_issued_one_ahead():
     assert nodes.index(gathers[1]) < nodes.index(mms[0])
     assert peak_gathered_bytes(gm) < peak_gathered_bytes(plain)
     gm.graph.lint()
+
+
+# -- the order of communication (a second review's reproductions) ---------------------------
+
+def _shapes(gm):
+    return [(str(n.args[0].meta["val"].dtype), tuple(n.args[0].meta["val"].shape))
+            for n in gm.graph.nodes if n.target is AG]
+
+
+def test_two_layouts_of_one_step_issue_the_same_collectives_in_the_same_order():
+    """A compiler may lay out a step's forward and inference graphs differently (Inductor
+    does): independent compute in another order, the same gathers. After both passes, with
+    and without buckets, the two issue the same gathers in the same order."""
+    def gathered(a, b, e, c, d):
+        return [_gather(p) for p in (a, b, e, c, d)]
+
+    def bf16_branch_first(x, a, b, e, c, d):
+        wa, wb, we, wc, wd = gathered(a, b, e, c, d)
+        y = (x.bfloat16() @ we).float()
+        for w in (wa, wb, wc, wd):
+            x = torch.tanh(x @ w)
+        return x + y
+
+    def bf16_branch_later(x, a, b, e, c, d):
+        wa, wb, we, wc, wd = gathered(a, b, e, c, d)
+        for w in (wa, wb):
+            x = torch.tanh(x @ w)
+        y = (x.bfloat16() @ we).float()
+        for w in (wc, wd):
+            x = torch.tanh(x @ w)
+        return x + y
+
+    args = (torch.randn(4, 16), torch.randn(8, 16), torch.randn(8, 16),
+            torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(8, 16), torch.randn(8, 16))
+    for cap in (None, 2 * 8 * 16 * 4 / 2 ** 20):
+        options = CompileOptions(gather_at_use=True, bucket_cap_mb=cap)
+        orders = []
+        for layout in (bf16_branch_first, bf16_branch_later):
+            gm = make_fx(layout, tracing_mode="fake")(*args)
+            gather_at_use_pass(gm, options)
+            if cap is not None:
+                bucket_collectives_pass(gm, options)
+            gm.graph.lint()
+            orders.append(_shapes(gm))
+        assert orders[0] == orders[1], (cap, orders)
+
+
+def test_a_gather_stops_before_a_mutation_and_split_weights_move_with_their_pieces():
+    def mutated(x, a):
+        w = _gather(a).t()
+        x = torch.tanh(x)
+        a.copy_(a * 2)  # the part changes after its gather: the gather must read it before
+        return x @ w
+
+    gm = make_fx(mutated, tracing_mode="fake")(torch.randn(4, 16), torch.randn(8, 16))
+    gather_at_use_pass(gm, CompileOptions(gather_at_use=True))
+    nodes = _order(gm)
+    copy = next(n for n in nodes if n.target is torch.ops.aten.copy_.default)
+    gather = next(n for n in nodes if n.target is AG)
+    assert nodes.index(gather) < nodes.index(copy), [n.name for n in nodes]
+
+    def fused(x, qkv, o):  # one gathered weight cut in three (getitem of a split)
+        wq, wk, wv = _gather(qkv).split(16)
+        wo = _gather(o)
+        q, k, v = x @ wq.t(), x @ wk.t(), x @ wv.t()
+        return (torch.softmax(q @ k.t(), -1) @ v) @ wo.t()
+
+    gm = make_fx(fused, tracing_mode="fake")(torch.randn(4, 16), torch.randn(24, 16),
+                                             torch.randn(8, 16))
+    before = peak_gathered_bytes(gm)
+    result = gather_at_use_pass(gm, CompileOptions(gather_at_use=True))
+    assert len(result.rewritten) == 2, result.summary()
+    # qkv [48, 16] and o [16, 16] fp32 both alive at the start before; qkv alone after
+    assert (before, peak_gathered_bytes(gm)) == (48 * 16 * 4 + 16 * 16 * 4, 48 * 16 * 4)

@@ -6,7 +6,9 @@ cast to bf16 before its gather, as a mixed-precision policy does; one gathered w
 twice) and whose input is gathered over the ranks' features (an activation gather, as sequence
 parallelism makes) runs a Retain rollout and update through ``lean_compile``, with and without
 the re-gather, under both compilers, and with the block that reads a weight a second time
-inside ``torch.utils.checkpoint`` (aot_eager). Against eager autograd on the same shards: the
+inside ``torch.utils.checkpoint`` (aot_eager), and SimpleFSDP-like (aot_eager): the checkpointed
+block gathers the weight itself again, as a parametrization that gathers on every access does,
+and a gathered weight is scaled by a buffer. Against eager autograd on the same shards: the
 gradients; against the step without the re-gather: bitwise. What the graphs show: the forward
 saves no gathered weight (what a call keeps falls by the gathered bytes), the backward gathers
 the parameters again, the activation's gather is left alone with its reason.
@@ -25,9 +27,14 @@ from ranks import spawn
 class ShardedMLP(torch.nn.Module):
     """Parts of ``w1``, ``b1``, ``w2`` (``Shard(0)`` rows, padded), gathered in the forward."""
 
-    def __init__(self, rank, world, d=8, h=12, checkpoint=False):
+    def __init__(self, rank, world, d=8, h=12, checkpoint=False, simple_fsdp=False):
         super().__init__()
         self.checkpoint = checkpoint
+        # SimpleFSDP-like: the checkpointed block gathers w1 itself (a parametrization gathers
+        # on every access), and w2 is scaled by a buffer (a weight mixed with a tensor that
+        # is not gathered)
+        self.simple_fsdp = simple_fsdp
+        self.register_buffer("scale", torch.linspace(-0.5, 0.5, 5))
         torch.manual_seed(0)
         full = {"w1": torch.randn(h, d * world) / d, "b1": torch.randn(h),
                 "w2": torch.randn(5, h) / h ** 0.5}
@@ -52,11 +59,17 @@ class ShardedMLP(torch.nn.Module):
         x = funcol.all_gather_tensor(x, 1, dist.group.WORLD)  # the ranks' features, [B, d * R]
         w1 = self.full("w1")
         h = torch.tanh(x @ w1.T + self.full("b1"))
-        if self.checkpoint:  # activation checkpointing around a block reading w1 again
+        if self.simple_fsdp:
+            h = torch.utils.checkpoint.checkpoint(
+                lambda h: self.block(h, self.full("w1")), h, use_reentrant=False)
+            w2 = self.full("w2") * self.scale.exp()[:, None].bfloat16()
+        elif self.checkpoint:  # activation checkpointing around a block reading w1 again
             h = torch.utils.checkpoint.checkpoint(self.block, h, w1, use_reentrant=False)
+            w2 = self.full("w2")
         else:
             h = self.block(h, w1)
-        return (h.bfloat16() @ self.full("w2").T).float()
+            w2 = self.full("w2")
+        return (h.bfloat16() @ w2.T).float()
 
     @staticmethod
     def block(h, w1):
@@ -89,14 +102,18 @@ def _worker(rank, world, init, out, compilers):
     eager = ShardedMLP(rank, world)
     grads = {"eager": _loop(eager, eager, xs)}
     graphs = {}
-    variants = [(c, False, r) for c in compilers for r in (False, True)] + \
-        [("aot_eager", True, r) for r in (False, True)]
-    for compiler, checkpoint, regather in variants:
+    variants = [(c, "", r) for c in compilers for r in (False, True)] + \
+        [("aot_eager", kind, r) for kind in ("checkpoint", "simple_fsdp") for r in (False, True)]
+    references = {"": grads["eager"]}
+    for kind in ("checkpoint", "simple_fsdp"):
+        eager = ShardedMLP(rank, world, **{kind: True})
+        references[kind] = _loop(eager, eager, xs)
+    for compiler, kind, regather in variants:
         torch._dynamo.reset()
-        model = ShardedMLP(rank, world, checkpoint=checkpoint)
+        model = ShardedMLP(rank, world, **({kind: True} if kind else {}))
         step = leancompile.lean_compile(model, backend=compiler, schedule="retain",
                                         reshard_after_forward=regather)
-        name = f"{compiler}{'+checkpoint' if checkpoint else ''}/{regather}"
+        name = f"{compiler}{'+' + kind if kind else ''}/{regather}"
         grads[name] = _loop(model, step, xs)
         assert step.stats.reused_calls == step.stats.update_calls == len(xs), \
             step.stats.summary()
@@ -107,17 +124,20 @@ def _worker(rank, world, init, out, compilers):
             "backward_gathers": sum("all_gather_into_tensor" in str(n.target)
                                     for n in graph.backward_aten.graph.nodes),
             "sites": None if found is None else [s.parameter for s in found.sites],
+            "saved": None if found is None else found.saved,
             "gathered_bytes": None if found is None else found.gathered_bytes,
             "skipped": None if found is None else [r for _, r in found.skipped]}
 
-    def rel(a, b):
-        return max(float((x - y).norm() / y.norm()) for x, y in zip(grads[a], grads[b]))
+    def vs_reference(name):
+        kind = name.split("/")[0].partition("+")[2]
+        return max(float((x - y).norm() / y.norm()) for x, y in zip(grads[name],
+                                                                     references[kind]))
 
     result = {"graphs": graphs,
-              "vs_eager": {n: rel(n, "eager") for n in grads if n != "eager"},
+              "vs_eager": {n: vs_reference(n) for n in grads if n != "eager"},
               "bitwise": {c: all(torch.equal(a, b) for a, b in zip(
                   grads[f"{c}/True"], grads[f"{c}/False"]))
-                  for c in (*compilers, "aot_eager+checkpoint")}}
+                  for c in (*compilers, "aot_eager+checkpoint", "aot_eager+simple_fsdp")}}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -128,7 +148,7 @@ def test_retain_regathers_parameters_in_the_backward(tmp_path, compilers):
     spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), compilers), nprocs=2)
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        for compiler in (*compilers, "aot_eager+checkpoint"):
+        for compiler in (*compilers, "aot_eager+checkpoint", "aot_eager+simple_fsdp"):
             saved, regathered = got["graphs"][f"{compiler}/False"], \
                 got["graphs"][f"{compiler}/True"]
             # Without: the partitioner never recomputes a collective, the backward gathers
@@ -142,10 +162,15 @@ def test_retain_regathers_parameters_in_the_backward(tmp_path, compilers):
             assert len(regathered["skipped"]) == 1 and "not a parameter" in \
                 regathered["skipped"][0], regathered
             # Gathered: w1 [12, 16] fp32 (768 bytes), b1 [12] fp32 (48), w2 [6, 12] bf16
-            # (144). A kept call holds the two weights less (1464 -> 552 bytes here; b1 was
-            # not saved either way).
+            # (144). A kept call holds w1 and w2 (its 5 rows, [5, 12] bf16: 120 bytes, or the
+            # whole padded 144) less: 1464 -> 552 bytes, 1296 -> 408 SimpleFSDP-like; b1 was
+            # not saved either way.
             assert regathered["gathered_bytes"] == 12 * 16 * 4 + 12 * 4 + 6 * 12 * 2
-            assert saved["kept"] - regathered["kept"] >= 12 * 16 * 4 + 6 * 12 * 2, \
+            # and the forward the partitioner made saves none of the marked nodes (SimpleFSDP:
+            # the block's second gather of w1 merged into the first, w2 times a buffer
+            # recomputed with it)
+            assert regathered["saved"] == [], regathered
+            assert saved["kept"] - regathered["kept"] >= 12 * 16 * 4 + 5 * 12 * 2, \
                 (saved["kept"], regathered["kept"])
             # A gather concatenates: the recomputed weights are the saved ones, bit for bit.
             assert got["bitwise"][compiler], got

@@ -31,8 +31,8 @@ from torch.profiler import record_function
 
 from ..capture import RandomOpInGraphError
 from ..options import CompileOptions, check_bucket_cap_mb
-from ..passes.gather_at_use import peak_gathered_bytes
 from ..passes.bucket_collectives import NAME as BUCKETS, merged_counts
+from ..passes.gather_at_use import peak_gathered_bytes
 from ..passes.lean_grpo import (SCHEDULES, SchedulePlan, ScheduleReport, StepCosts,
                                 build_schedule_plans, choose_schedule, graph_flops,
                                 reweight_rows_per_backward)
@@ -177,6 +177,9 @@ class GRPOConfig:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r}; use one of {LAYOUTS}")
         check_bucket_cap_mb(self.bucket_cap_mb)
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r} must be "
+                             "True or False")
         if self.grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync={self.grad_sync!r}; use one of {GRAD_SYNCS}")
 
@@ -797,7 +800,7 @@ class GRPOTrainer:
 
     def _check_fsdp_calls(self, keys, example, padding, chunk_steps, schedule: str,
                           partitioner_budget=None, regather: bool = False) -> None:
-        """The step's forward and inference graphs must gather the parameters in one order
+        """The step's forward and inference graphs must issue the same collectives in one order
         (a rank's untrained call pairs with another's trained one), and the ranks' padded
         calls must agree (they do by construction; compared across the ranks all the same,
         before the rollout, as a cheap guard against a rank drawing something else)."""
@@ -807,8 +810,8 @@ class GRPOTrainer:
                   if gm is not None}
         if len(set(map(tuple, orders.values()))) > 1:
             raise RuntimeError(
-                "parallel='fsdp': the step's forward and inference graphs gather the "
-                f"parameters in different orders ({orders}); ranks that run different graphs "
+                "parallel='fsdp': the step's forward and inference graphs issue their "
+                f"collectives in different orders ({orders}); ranks that run different graphs "
                 "at one step would pair the wrong all-gathers. Use parallel='ddp' (or, where only "
                 "their buckets differ, GRPOConfig(bucket_cap_mb=None))")
         calls = " | ".join("".join(f"{int(a)}{int(b)}" for a, b in unit) for unit in padding)
@@ -1070,13 +1073,20 @@ def _bucketed(graph, phase: str) -> dict[str, tuple[int, int]]:
 
 
 def _gather_order(gm, report=None, phase: str = "") -> list:
-    """The shapes gathered by the all-gathers of a graph, in order, then the buckets the
-    bucketing pass made of them (``report``: the step's, for the ``phase`` graph)."""
+    """The communication a graph issues, in order: per collective (its wait aside) or
+    point-to-point step, the op and the dtype and shape of its first tensor argument; then
+    the buckets the bucketing pass made (``report``: the step's, for the ``phase`` graph)."""
     out = []
     for node in gm.graph.nodes:
-        if node.op == "call_function" and "all_gather_into_tensor" in str(node.target):
-            val = node.args[0].meta.get("val") if hasattr(node.args[0], "meta") else None
-            out.append(tuple(val.shape) if val is not None else None)
+        namespace = getattr(node.target, "namespace", None)
+        if node.op != "call_function" or namespace not in (
+                "_c10d_functional", "c10d_functional", "leancompile") \
+                or "wait_tensor" in str(node.target):
+            continue
+        arg = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
+        val = arg.meta.get("val") if arg is not None else None
+        out.append((str(node.target).split(".")[1], str(val.dtype), tuple(val.shape))
+                   if isinstance(val, torch.Tensor) else str(node.target))
     if report is not None:
         out += [note for r in report.graphs if r.phase == phase for p in r.passes
                 if p.name == BUCKETS for note in p.notes if note.startswith("all_gather")]

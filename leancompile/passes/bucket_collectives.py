@@ -53,7 +53,9 @@ after ``gather_at_use`` (``CompileOptions(gather_at_use=True)``), which puts eac
 gather at its first reader, a gathered bucket is issued right after the previous gathered
 bucket of its group is unpacked (or after a later input), one bucket ahead as FSDP2
 prefetches: while one bucket's layers compute, the next bucket's transfer runs, and no more
-than two buckets are gathered at once. A collective joins the
+than two buckets are gathered at once. It never goes above a collective or another node with an
+effect that came before its first member (the graph's communication keeps its order), nor
+above its inputs (a cast computed at its use keeps the bucket there). A collective joins the
 open bucket of its kind, process group, dtype and reduction only if its input exists before
 that bucket's first read (an input computed later, such as a cast of the parameter just before
 its own gather, is moved up when it is a pure op of at most two steps over values that exist
@@ -334,7 +336,13 @@ def rewrite_bucket(gm: fx.GraphModule, bucket: Bucket,
     # where its first member was issued, or later where an input is computed later
     after = max(inputs + [members[0].collective], key=pos.__getitem__)
     if prefetch_after is not None:
-        ahead = max(inputs + [prefetch_after], key=pos.__getitem__)
+        # never above a collective (or another node with an effect) that came before its
+        # first member: the graph's communication keeps its order
+        barrier = members[0].collective.prev
+        while pos[barrier] > pos[prefetch_after] and (
+                barrier.op != "call_function" or _pure(barrier)):
+            barrier = barrier.prev
+        ahead = max(inputs + [prefetch_after, barrier], key=pos.__getitem__)
         if bucket.first_read is None or pos[ahead] < pos[bucket.first_read]:
             after = ahead
     if bucket.first_read is not None and pos[after] >= pos[bucket.first_read]:

@@ -44,6 +44,7 @@ reader, one whose result is never read or is read before its wait.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +66,11 @@ KIND = "all_gather"
 
 
 def _pure(node: fx.Node) -> bool:
+    """A functional aten op with no side effect and no random draw, or an element of the
+    tuple such an op returns (``getitem`` of a split: fused weights cut in pieces)."""
     target = node.target
+    if node.op == "call_function" and target is operator.getitem:
+        return _pure(node.args[0])
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
     if target.namespace not in ("aten", "prims") or target._schema.is_mutable:
@@ -92,9 +97,10 @@ class GatherMove:
     before: fx.Node | None = None
 
 
-def _is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "namespace", None) in (
-        "_c10d_functional", "c10d_functional") and node.target is not WAIT
+def _barrier(node: fx.Node) -> bool:
+    """A node no gather moves past: anything but a pure op (collectives and their waits, the
+    overlap pass's point-to-point steps and probes, mutations, random draws)."""
+    return node.op == "call_function" and not _pure(node)
 
 
 def find_gathers_to_move(gm: fx.GraphModule, result: PassResult) -> list[GatherMove]:
@@ -135,16 +141,18 @@ def find_gathers_to_move(gm: fx.GraphModule, result: PassResult) -> list[GatherM
         moves.append(GatherMove(gather=node, nodes=[node, *sorted(own, key=pos.__getitem__)],
                                 first_read=min(readers, key=pos.__getitem__)))
     # The collectives keep their order: a gather goes no later than the next one's new place,
-    # nor past a collective that stays (every rank, and the forward and inference graphs of
-    # one step, then issue the same collectives in the same order as before the pass).
+    # nor past any other node with an effect that stays (a collective or its wait, a
+    # point-to-point step, a mutation): every rank, and the forward and inference graphs of
+    # one step, then issue the same communication in the same order as before the pass.
     # Decided from the last gather up, and moved in that order (``move_gather``).
-    moving = {m.gather for m in moves}
+    moving = {n for m in moves for n in m.nodes}
     staying_after: dict[fx.Node, fx.Node | None] = {}
     nxt = None
     for node in reversed(nodes):
         if node in moving:
-            staying_after[node] = nxt
-        elif _is_collective(node):
+            if node.target is ALL_GATHER:
+                staying_after[node] = nxt
+        elif _barrier(node):
             nxt = node
     kept: list[GatherMove] = []
     later: tuple[float, fx.Node] | None = None  # (position, node) of the next gather, moved
@@ -155,11 +163,11 @@ def find_gathers_to_move(gm: fx.GraphModule, result: PassResult) -> list[GatherM
         if later is not None:
             limits.append(later)
         at, move.before = min(limits, key=lambda limit: limit[0])
-        in_place = move.before in nodes and all(
+        in_place = move.before in pos and all(
             pos[n] == at - len(move.nodes) + i for i, n in enumerate(move.nodes))
         if in_place:
             what = "its first reader" if move.before is move.first_read else \
-                "the next collective"
+                "the next collective or other effectful node"
             result.skip(move.gather, KIND, f"already right before {what} "
                                            f"({move.before.name})")
             later = (pos[move.gather], move.gather)
@@ -200,7 +208,8 @@ def peak_gathered_bytes(gm: fx.GraphModule) -> int:
         elif _pure(node) and node.all_input_nodes and all(
                 i in gathered for i in node.all_input_nodes):
             gathered.add(node)
-            is_view = any(r.alias_info is not None for r in node.target._schema.returns)
+            is_view = node.target is operator.getitem or any(
+                r.alias_info is not None for r in node.target._schema.returns)
             root[node] = root[node.all_input_nodes[0]] if is_view else node
         else:
             continue
@@ -226,7 +235,7 @@ def gather_at_use_pass(gm: fx.GraphModule, options) -> PassResult:
     for move in moves:
         move_gather(move)
         where = "its first reader" if move.before is move.first_read else \
-            "the next collective, which comes first"
+            "the next collective or other effectful node, which comes first"
         result.rewrite(move.gather, f"{KIND} moved down to {where} ({move.before.name})")
     if moves:
         gm.graph.lint()
