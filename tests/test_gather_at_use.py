@@ -217,3 +217,25 @@ def test_a_gather_stops_before_a_mutation_and_split_weights_move_with_their_piec
     assert len(result.rewritten) == 2, result.summary()
     # qkv [48, 16] and o [16, 16] fp32 both alive at the start before; qkv alone after
     assert (before, peak_gathered_bytes(gm)) == (48 * 16 * 4 + 16 * 16 * 4, 48 * 16 * 4)
+
+
+def test_gathers_issued_first_and_waited_on_late_stay_before_their_readers():
+    """Inductor's graphs issue every gather first and wait on each late, where a reader needs
+    it: here five gathers are waited on for one reader (a concatenation), the first gather for
+    an earlier one. Each gather moves down only as far as the next one's new place allows, and
+    that place is right before the node they all stack before (the graph stays valid)."""
+    def fn(x, p0, p1, p2, p3, p4, p5):
+        issued = [c10d.all_gather_into_tensor(p, 2, "0") for p in (p0, p1, p2, p3, p4, p5)]
+        late = [c10d.wait_tensor(g) for g in issued[1:]]
+        y = x + c10d.wait_tensor(issued[0])  # the first gather's reader, before the others'
+        return y, torch.cat(late)
+
+    parts = [torch.randn(8) for _ in range(7)]
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(16), *parts[1:])
+    gather_at_use_pass(gm, CompileOptions(gather_at_use=True))
+    gm.graph.lint()  # every input defined before its reader
+    nodes = _order(gm)
+    gathers = [n for n in nodes if n.target is AG]
+    add = next(n for n in nodes if n.target is torch.ops.aten.add.Tensor)
+    assert [g.args[0].name for g in gathers] == [f"p{i}_1" for i in range(6)]
+    assert nodes.index(gathers[0]) < nodes.index(add) < nodes.index(gathers[1])

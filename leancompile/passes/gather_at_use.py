@@ -155,7 +155,10 @@ def find_gathers_to_move(gm: fx.GraphModule, result: PassResult) -> list[GatherM
         elif _barrier(node):
             nxt = node
     kept: list[GatherMove] = []
-    later: tuple[float, fx.Node] | None = None  # (position, node) of the next gather, moved
+    # (position, node) of the next gather once moved: right before the node it moves before,
+    # behind the gathers stacked there already (each a millionth of a place earlier; a real
+    # node before that node still compares as before it)
+    later: tuple[float, fx.Node] | None = None
     for move in reversed(moves):
         limits = [(pos[move.first_read], move.first_read)]
         if staying_after[move.gather] is not None:
@@ -173,7 +176,7 @@ def find_gathers_to_move(gm: fx.GraphModule, result: PassResult) -> list[GatherM
             later = (pos[move.gather], move.gather)
         else:
             kept.append(move)
-            later = (at - 0.5, move.gather)  # right before ``move.before``, once moved
+            later = (at - 1e-6, move.gather)
     return kept  # last gather first: each moves before a node that is already in place
 
 
