@@ -136,3 +136,26 @@ class ToyFlowPolicy(torch.nn.Module):
 
     def example_conditions(self, batch, generator=None):
         return {"prompt_embeds": torch.randn(batch, 3, generator=generator)}
+
+
+def register_shards(module: nn.Module, full: dict, rank: int, world: int) -> dict[str, int]:
+    """Each tensor of ``full`` registered on ``module`` as this rank's ``Shard(0)`` part
+    (``torch.chunk`` rows, zero-padded to one size per rank), as FSDP-style sharding keeps
+    it; returns each tensor's rows (for ``gather_shard``)."""
+    for name, t in full.items():
+        per = -(-t.shape[0] // world)
+        padded = torch.cat([t, t.new_zeros(per * world - t.shape[0], *t.shape[1:])])
+        module.register_parameter(name, nn.Parameter(padded[rank * per:(rank + 1) * per].clone()))
+    return {n: t.shape[0] for n, t in full.items()}
+
+
+def gather_shard(part: torch.Tensor, rows: int, dtype=None) -> torch.Tensor:
+    """The full tensor from every rank's part (``register_shards``), gathered inside the traced
+    graph with the autograd-aware functional collective (backward: a reduce-scatter); cast to
+    ``dtype`` first, as a mixed-precision policy does."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    if dtype is not None:
+        part = part.to(dtype)
+    return funcol.all_gather_tensor_autograd(part, 0, dist.group.WORLD)[:rows]

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from models import gather_shard, register_shards
 from ranks import spawn
 
 c10d = torch.ops._c10d_functional
@@ -241,20 +242,11 @@ class Sharded(torch.nn.Module):
         full = {"w1": torch.randn(h, d) / d ** 0.5, "b1": torch.randn(h),
                 "w2": torch.randn(d, h) / h ** 0.5, "b2": torch.randn(d), "b3": torch.randn(d),
                 "w3": torch.randn(7, d) / d ** 0.5}
-        self.rows = {n: t.shape[0] for n, t in full.items()}
-        for name, t in full.items():
-            per = -(-t.shape[0] // world)
-            padded = torch.cat([t, t.new_zeros(per * world - t.shape[0], *t.shape[1:])])
-            self.register_parameter(name, torch.nn.Parameter(
-                padded[rank * per:(rank + 1) * per].clone()))
+        self.rows = register_shards(self, full, rank, world)
 
     def full(self, name):
-        import torch.distributed._functional_collectives as funcol
-
-        p = getattr(self, name)
-        if name in ("w2", "w3"):
-            p = p.to(torch.bfloat16)
-        return funcol.all_gather_tensor_autograd(p, 0, dist.group.WORLD)[:self.rows[name]]
+        return gather_shard(getattr(self, name), self.rows[name],
+                            torch.bfloat16 if name in ("w2", "w3") else None)
 
     def forward(self, x):
         h = torch.nn.functional.gelu(x @ self.full("w1").T + self.full("b1"))

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from models import gather_shard, register_shards
 from ranks import spawn
 
 
@@ -36,22 +37,13 @@ class ShardedMLP(torch.nn.Module):
         self.simple_fsdp = simple_fsdp
         self.register_buffer("scale", torch.linspace(-0.5, 0.5, 5))
         torch.manual_seed(0)
-        full = {"w1": torch.randn(h, d * world) / d, "b1": torch.randn(h),
-                "w2": torch.randn(5, h) / h ** 0.5}
-        self.rows = {n: t.shape[0] for n, t in full.items()}
-        for name, t in full.items():
-            per = -(-t.shape[0] // world)
-            padded = torch.cat([t, t.new_zeros(per * world - t.shape[0], *t.shape[1:])])
-            self.register_parameter(name, torch.nn.Parameter(
-                padded[rank * per:(rank + 1) * per].clone()))
+        self.rows = register_shards(self, {"w1": torch.randn(h, d * world) / d,
+                                           "b1": torch.randn(h),
+                                           "w2": torch.randn(5, h) / h ** 0.5}, rank, world)
 
     def full(self, name):
-        import torch.distributed._functional_collectives as funcol
-
-        p = getattr(self, name)
-        if name == "w2":
-            p = p.to(torch.bfloat16)
-        return funcol.all_gather_tensor_autograd(p, 0, dist.group.WORLD)[:self.rows[name]]
+        return gather_shard(getattr(self, name), self.rows[name],
+                            torch.bfloat16 if name == "w2" else None)
 
     def forward(self, x):
         import torch.distributed._functional_collectives as funcol
