@@ -30,16 +30,19 @@ After (each weight gathered where it is first read)::
 Legal: a moved node's inputs are graph inputs (the part, or a value computed from it before
 the gather, which stays where it is) or nodes moved with it, so every input still comes first;
 nothing between the old and the new place reads a moved value (the new place is the first
-reader). The collectives keep their order: a gather moves no further than the next
-collective (the next gather's new place, or one that stays), so every rank, and the forward and
-inference graphs of one step (which a compiler may lay out differently: under Inductor their
-first readers come in different orders), issue the same collectives in the same order as
-before the pass. Values are unchanged bit for bit: only the order of independent nodes
-changes.
+reader). The communication keeps its order: a gather moves no further than the next gather's
+new place, nor past any node with an effect that stays (another collective or its wait, a
+point-to-point step of the overlap pass, a mutation, a random draw), so every rank, and the
+forward and inference graphs of one step (which a compiler may lay out differently: under
+Inductor their first readers come in different orders), issue the same communication in the
+same order as before the pass. That also limits the pass: where a graph issues every gather
+first and reads the weights in another order (Inductor's), most gathers cannot move far.
+Values are unchanged bit for bit: only the order of independent nodes changes.
 
 Left alone, each with the reason: a gather of a value the graph computes (an activation, as
-sequence parallelism gathers), a piece of an overlap schedule, a gather already at its first
-reader, one whose result is never read or is read before its wait.
+sequence parallelism gathers), a piece of an overlap schedule, a gather already right before
+its first reader or the next effectful node, one whose result is never read or is read before
+its wait.
 """
 
 from __future__ import annotations
