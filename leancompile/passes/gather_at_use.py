@@ -100,10 +100,22 @@ class GatherMove:
     before: fx.Node | None = None
 
 
+_EFFECT_NAMESPACES = ("_c10d_functional", "c10d_functional", "leancompile")
+
+
 def _barrier(node: fx.Node) -> bool:
-    """A node no gather moves past: anything but a pure op (collectives and their waits, the
-    overlap pass's point-to-point steps and probes, mutations, random draws)."""
-    return node.op == "call_function" and not _pure(node)
+    """A node no gather moves past: a node with an effect (a collective or its wait, the
+    overlap pass's point-to-point steps and probes, a mutation, a random draw, a higher-order
+    op). Arithmetic on sizes (``operator.mul`` of symbolic ints) and pure ops are not."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return target.namespace in _EFFECT_NAMESPACES or target._schema.is_mutable or \
+        torch.Tag.nondeterministic_seeded in target.tags
 
 
 def find_gathers_to_move(gm: fx.GraphModule, result: PassResult) -> list[GatherMove]:
