@@ -33,6 +33,7 @@ from ..capture import RandomOpInGraphError
 from ..options import CompileOptions, check_bucket_cap_mb
 from ..passes.bucket_collectives import NAME as BUCKETS, merged_counts
 from ..passes.gather_at_use import peak_gathered_bytes
+from ..passes.result import COMMUNICATION_NAMESPACES
 from ..passes.lean_grpo import (SCHEDULES, SchedulePlan, ScheduleReport, StepCosts,
                                 build_schedule_plans, choose_schedule, graph_flops,
                                 reweight_rows_per_backward)
@@ -1079,8 +1080,7 @@ def _gather_order(gm, report=None, phase: str = "") -> list:
     out = []
     for node in gm.graph.nodes:
         namespace = getattr(node.target, "namespace", None)
-        if node.op != "call_function" or namespace not in (
-                "_c10d_functional", "c10d_functional", "leancompile") \
+        if node.op != "call_function" or namespace not in COMMUNICATION_NAMESPACES \
                 or "wait_tensor" in str(node.target):
             continue
         arg = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)

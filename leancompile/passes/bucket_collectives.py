@@ -71,13 +71,14 @@ bit, which is why the pass is opt-in (the contract's rule 6).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from .flash_overlap import SITE_META
-from .result import PassResult, Site, format_bytes, recompile
+from .result import PassResult, Site, format_bytes, is_pure_op, recompile
 
 __all__ = ["bucket_collectives_pass", "find_buckets", "move_inputs_up", "rewrite_bucket", "Bucket",
            "VERSION", "NAME", "META_KEY", "merged_counts"]
@@ -143,13 +144,9 @@ def _static(val) -> bool:
 
 
 def _pure(node: fx.Node) -> bool:
-    """A node that may be moved: a functional aten op with no side effect and no randomness."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    if target.namespace not in ("aten", "prims") or target._schema.is_mutable:
-        return False
-    return torch.Tag.nondeterministic_seeded not in target.tags
+    """A node that may be moved: a functional aten op with no side effect and no randomness
+    (``is_pure_op``; not a tuple element, which moves with its op only)."""
+    return node.target is not operator.getitem and is_pure_op(node)
 
 
 def _hoistable(node: fx.Node, before: int, pos: dict, depth: int,

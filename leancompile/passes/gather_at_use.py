@@ -54,7 +54,7 @@ import torch
 import torch.fx as fx
 
 from .flash_overlap import SITE_META
-from .result import PassResult, recompile
+from .result import COMMUNICATION_NAMESPACES, PassResult, is_pure_op, recompile
 
 __all__ = ["gather_at_use_pass", "find_gathers_to_move", "move_gather", "GatherMove",
            "NAME", "VERSION", "peak_gathered_bytes"]
@@ -68,17 +68,7 @@ WAIT = _c10d.wait_tensor.default
 KIND = "all_gather"
 
 
-def _pure(node: fx.Node) -> bool:
-    """A functional aten op with no side effect and no random draw, or an element of the
-    tuple such an op returns (``getitem`` of a split: fused weights cut in pieces)."""
-    target = node.target
-    if node.op == "call_function" and target is operator.getitem:
-        return _pure(node.args[0])
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return False
-    if target.namespace not in ("aten", "prims") or target._schema.is_mutable:
-        return False
-    return torch.Tag.nondeterministic_seeded not in target.tags
+_pure = is_pure_op
 
 
 def _graph_input(node) -> fx.Node | None:
@@ -100,9 +90,6 @@ class GatherMove:
     before: fx.Node | None = None
 
 
-_EFFECT_NAMESPACES = ("_c10d_functional", "c10d_functional", "leancompile")
-
-
 def _barrier(node: fx.Node) -> bool:
     """A node no gather moves past: a node with an effect (a collective or its wait, the
     overlap pass's point-to-point steps and probes, a mutation, a random draw, a higher-order
@@ -114,7 +101,7 @@ def _barrier(node: fx.Node) -> bool:
         return True
     if not isinstance(target, torch._ops.OpOverload):
         return False
-    return target.namespace in _EFFECT_NAMESPACES or target._schema.is_mutable or \
+    return target.namespace in COMMUNICATION_NAMESPACES or target._schema.is_mutable or \
         torch.Tag.nondeterministic_seeded in target.tags
 
 

@@ -30,8 +30,8 @@ Forward and backward graphs after the partitioner, with the chain marked::
               dx = mm(dy, permute(wt, [1, 0])) ...
 
 Legal: the marked nodes are functions of the parts, other parameters, buffers (graph inputs,
-held by the caller for the backward anyway) and constants, so recomputing them gives the same values bit for bit
-(a gather concatenates; the casts and views are deterministic). Every rank traces the same
+held by the caller for the backward anyway) and constants, so recomputing them gives the same
+values bit for bit (a gather concatenates; the casts and views are deterministic). Every rank traces the same
 graph and marks the same nodes, so the backward's gathers pair across the ranks; the
 partitioner recomputes a collective only when it is marked so (``force_save_collectives``
 spares those), which is why the mark is needed. What the partitioner then saves of the marked
@@ -51,11 +51,12 @@ those run on the partitioned graphs; this one runs on the joint graph
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+
+from .result import format_bytes, is_pure_op
 
 __all__ = ["RegatherSite", "RegatherFound", "find_regather_sites", "mark_regather",
            "partition_with_regather"]
@@ -95,8 +96,6 @@ class RegatherFound:
         return sum(s.nbytes for s in self.sites)
 
     def summary(self) -> str:
-        from .result import format_bytes
-
         saved = ("saved for the backward all the same: "
                  + ", ".join(f"{n} ({format_bytes(b)})" for n, b in self.saved)) \
             if self.saved else "none of it saved for the backward"
@@ -112,22 +111,7 @@ def _is_op(node: fx.Node, name: str) -> bool:
     return node.op == "call_function" and name in str(node.target)
 
 
-def _is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "namespace", None) in (
-        "_c10d_functional", "c10d_functional")
-
-
-def _pure(node: fx.Node) -> bool:
-    """An op whose value depends on its inputs only: no side effect, no random draw."""
-    if node.op != "call_function":
-        return False
-    if node.target is operator.getitem:
-        return True
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return False
-    tags = node.target.tags
-    return not (node.target._schema.is_mutable or torch.Tag.nondeterministic_seeded in tags
-                or _is_collective(node))
+_pure = is_pure_op
 
 
 def _forward_nodes(graph: fx.Graph, num_fwd_outputs: int) -> set[fx.Node]:

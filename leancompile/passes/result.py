@@ -21,6 +21,30 @@ def recompile(gm) -> None:
         gm.recompile()
 
 
+COMMUNICATION_NAMESPACES = ("_c10d_functional", "c10d_functional", "leancompile")
+"""Op namespaces of collectives, their waits and the overlap pass's point-to-point steps."""
+
+
+def is_pure_op(node) -> bool:
+    """A functional aten/prims op with no side effect and no random draw (its value depends on
+    its inputs only, so it may be moved or recomputed), or an element of the tuple such an op
+    returns (``getitem`` of a split)."""
+    import operator
+
+    import torch
+
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        return is_pure_op(node.args[0])
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.namespace not in ("aten", "prims") or target._schema.is_mutable:
+        return False
+    return torch.Tag.nondeterministic_seeded not in target.tags
+
+
 def format_bytes(n: int) -> str:
     """``n`` bytes for a report line: ``"512 B"``, ``"1.50 MiB"``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
