@@ -34,8 +34,9 @@ held by the caller for the backward anyway) and constants, so recomputing them g
 values bit for bit (a gather concatenates; the casts and views are deterministic). Every rank
 traces the same graph and marks the same nodes, so the backward's gathers pair across the
 ranks; the partitioner recomputes a collective only when it is marked so
-(``force_save_collectives`` spares those), which is why the mark is needed. What the partitioner then saves of the marked
-nodes all the same is checked on the forward it made and reported (``RegatherFound.saved``).
+(``force_save_collectives`` spares those), which is why the mark is needed. What the
+partitioner then saves of the marked nodes all the same is checked on the forward it made and
+reported (``RegatherFound.saved``).
 
 Find and mark are separate (``find_regather_sites``, ``mark_regather``). A gather is left as
 the partitioner makes it, with the reason, when its input is not a parameter reached through
