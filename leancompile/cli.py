@@ -99,8 +99,12 @@ def _cmd_explain(ns) -> int:
 def _cmd_demo(ns) -> int:
     from .demos import run_demo
 
-    if ns.sp and ns.name != "overlap":
-        raise SystemExit("--sp goes with `leancompile demo overlap` (the sequence-parallel DiT)")
+    if ns.sp is not None and ns.name not in ("overlap", "grpo"):
+        raise SystemExit("--sp goes with `leancompile demo overlap` (the sequence-parallel DiT) "
+                         "or `demo grpo` (under torchrun: sequence-parallel groups of SP ranks)")
+    if ns.name == "overlap" and ns.sp not in (None, 2):
+        raise SystemExit(f"--sp {ns.sp}: the overlap demo's sequence-parallel FLUX runs on 2 "
+                         "ranks (--sp or --sp 2)")
     return run_demo(ns.name, out=ns.out, sp=ns.sp)
 
 
@@ -167,9 +171,10 @@ def main(argv=None) -> int:
     d.add_argument("name", nargs="?", default="grpo",
                    choices=("grpo", "loop", "explain", "overlap"))
     d.add_argument("--out", default="leancompile-out", help="output folder")
-    d.add_argument("--sp", action="store_true",
+    d.add_argument("--sp", nargs="?", type=int, const=2, default=None, metavar="SP",
                    help="overlap demo: a Ulysses sequence-parallel FLUX instead of the TP+SP "
-                        "block")
+                        "block; grpo demo under torchrun: the transformer sequence parallel "
+                        "over groups of SP ranks (default 2), data parallel over the groups")
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="run a benchmark (leancompile bench grpo --help)",

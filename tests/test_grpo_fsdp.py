@@ -40,6 +40,15 @@ def _graph_key(extra: dict) -> tuple:
     return tuple(sorted((k, v) for k, v in extra.items() if k != "grad_sync"))
 
 
+_COLLECTIVE_ONLY = ("compiler", "bucket_cap_mb", "overlap")
+
+
+def _reference_key(extra: dict) -> tuple:
+    """The one-process reference's key: aot_eager, and without what changes only the
+    collectives (one process has none)."""
+    return _graph_key({k: v for k, v in extra.items() if k not in _COLLECTIVE_ONLY})
+
+
 def _after_passes(graph, phase: str, op: str) -> int:
     """How often ``op`` occurs in the step's ``phase`` graph after the passes (the graph the
     compiler compiled, Inductor's included)."""
@@ -122,18 +131,22 @@ def _fsdp_worker(rank, world, init, out, kind):
         case_conditions = conditions if prompts is None else base.example_conditions(
             prompts, generator=torch.Generator().manual_seed(1))
         key = _graph_key(extra)
+        # The references: one process under aot_eager, without the options that only change
+        # how collectives run (a case that differs only in those shares the reference).
+        ref_key = _reference_key(extra)
 
         def reference():
-            single = GRPOTrainer(single_policy, mean_latent_reward, None, cfg)
-            if key in compiled_single:
-                single._steps = compiled_single[key]
-            compiled_single[key] = single._steps
+            single = GRPOTrainer(single_policy, mean_latent_reward, None, dataclasses.replace(
+                cfg, **{k: getattr(config, k) for k in _COLLECTIVE_ONLY}))
+            if ref_key in compiled_single:
+                single._steps = compiled_single[ref_key]
+            compiled_single[ref_key] = single._steps
             ref = single.compute_gradients(case_conditions, torch.Generator().manual_seed(5),
                                            schedule=schedule)
             return ref.grads, ref.rollout.rewards
 
         # Each step's references on one rank (the rank that compiles it), spread over ranks.
-        owner = list(dict.fromkeys(_graph_key(c[2]) for c in cases)).index(key)
+        owner = list(dict.fromkeys(_reference_key(c[2]) for c in cases)).index(ref_key)
         ref_grads, ref_rewards = from_rank(rank, owner % world, reference)
         trainer = GRPOTrainer(sharded_policy, mean_latent_reward, None, cfg, parallel="fsdp")
         if key in compiled:

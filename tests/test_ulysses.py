@@ -250,7 +250,71 @@ def _grpo(rank, world, out_dir):
     return out
 
 
-def _worker(rank, world, init_file, out_dir, names, compiler, skips):
+def _grpo_mesh(rank, world, out_dir):
+    """GRPO on a (dp, sp) = (2, 2) mesh: data parallelism over two sequence-parallel groups,
+    against one process's gradients; the schedule agreed over every rank of the mesh."""
+    import hashlib
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from grpo_reference import agreement
+    from models import tiny_flux_policy
+    from test_grpo_trainer import mean_latent_reward
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from leancompile.grpo.parallel import RankMismatchError
+    from leancompile.grpo.trainer import GRPOConfig, GRPOTrainer
+    from leancompile.integrations.diffusers import parallelize_ulysses
+
+    policy = tiny_flux_policy()
+    conditions = policy.example_conditions(2, generator=torch.Generator().manual_seed(1),
+                                           sequence_length=8)
+    # auto without smaller partitioner budgets: retain or recompute, from the same graphs
+    config = GRPOConfig(sde="flow_grpo", eta=0.9, group_size=2, layout="conventional",
+                        partitioner_budgets=())
+
+    def reference():
+        single = GRPOTrainer(policy, mean_latent_reward, None, config)
+        return single.compute_gradients(conditions, torch.Generator().manual_seed(5),
+                                        schedule="retain").grads
+
+    ref = from_rank(rank, 0, reference)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    sp = parallelize_ulysses(policy.transformer, mesh.get_group("sp"))
+    out = {}
+    # The world as the data-parallel group: a sequence-parallel group's ranks would get
+    # different rows.
+    try:
+        GRPOTrainer(policy, mean_latent_reward, None, config, parallel="ddp")
+    except RankMismatchError as err:
+        out["world"] = str(err)
+    try:
+        GRPOTrainer(policy, mean_latent_reward, None, config, parallel="fsdp",
+                    process_group=mesh.get_group("dp"))
+    except NotImplementedError as err:
+        out["fsdp"] = str(err)
+    trainer = GRPOTrainer(policy, mean_latent_reward, None, config, parallel="ddp",
+                          process_group=mesh.get_group("dp"))
+    # retain, then auto on a mesh whose last rank has no memory to spare: every rank must run
+    # recompute (a rank running retain while a peer recomputes would wait forever).
+    for schedule in ("retain", "auto"):
+        if schedule == "auto" and rank == world - 1:
+            trainer._budget_bytes = lambda device: 1
+        got = trainer.compute_gradients(conditions, torch.Generator().manual_seed(5),
+                                        schedule=schedule)
+        digest = hashlib.sha256(b"".join(got.grads[n].numpy().tobytes()
+                                         for n in sorted(got.grads))).hexdigest()
+        out[schedule] = {"rel": agreement(got.grads, ref)[1], "schedule": got.schedule,
+                         "syncs": got.sync_collectives, "digest": digest,
+                         "reason": got.reason}
+    trainer.optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    saved = trainer.save(os.path.join(out_dir, "mesh_run"))
+    out["saved"] = sorted(os.listdir(os.path.dirname(saved)))
+    sp.undo()
+    return out
+
+
+def _worker(rank, world, init_file, out_dir, names, compiler, skips, mesh=False):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     torch.set_num_threads(1)  # the ranks share the machine's cores
@@ -264,15 +328,17 @@ def _worker(rank, world, init_file, out_dir, names, compiler, skips):
         if skips:
             records["skips"] = _skips(rank, world)
             records["grpo"] = _grpo(rank, world, out_dir)
+        if mesh:
+            records["mesh"] = _grpo_mesh(rank, world, out_dir)
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(records, f)
         dist.destroy_process_group()
 
 
-def run_ranks(tmp_path, world, names, compiler="aot_eager", skips=False):
+def run_ranks(tmp_path, world, names, compiler="aot_eager", skips=False, mesh=False):
     spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path), names, compiler,
-                         skips), nprocs=world, join=True)
+                         skips, mesh), nprocs=world, join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -322,7 +388,21 @@ def test_two_ranks(tmp_path):
 
 def test_four_ranks(tmp_path):
     names = ["block", "flux", "wan"]
-    _check(run_ranks(tmp_path, 4, names), names)
+    records = run_ranks(tmp_path, 4, names, mesh=True)
+    _check(records, names)
+    # GRPO with data parallelism over two sequence-parallel groups of 2 ranks.
+    for rank, rec in enumerate(records):
+        mesh = rec["mesh"]
+        assert "init_device_mesh" in mesh["world"] and "data-parallel rank" in mesh["world"]
+        assert "parallel='fsdp' with a sequence-parallel policy" in mesh["fsdp"]
+        for schedule, ran in (("retain", "retain"), ("auto", "recompute")):
+            got = mesh[schedule]
+            # auto: the last rank's budget fits nothing but recompute, on every rank
+            assert got["schedule"] == ran and got["rel"] <= 1e-5, (rank, schedule, got)
+            # the data-parallel all-reduce, then the sequence-parallel group's sum
+            assert got["syncs"] == 2, got
+            assert got["digest"] == records[0]["mesh"][schedule]["digest"], (rank, schedule)
+        assert mesh["saved"] == ["latest", "step_00000000"], mesh["saved"]
 
 
 def test_two_ranks_inductor(tmp_path):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from .layout import worker_groups
 
-__all__ = ["PARALLEL", "DataParallel", "PeerFailureError", "RankMismatchError"]
+__all__ = ["PARALLEL", "AllRanks", "DataParallel", "PeerFailureError", "RankMismatchError"]
 
 PARALLEL = (None, "ddp", "fsdp")
 # What the c10d backends say when a peer is gone or a collective timed out.
@@ -64,14 +64,20 @@ class DataParallel:
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._globals = dist.get_process_group_ranks(self.group)
-        # The shared layout's worker groups, created in the same order on every rank (new_group
-        # is collective over the default group).
+        # The shared layout's worker groups. Over the whole world they are created in the same
+        # order on every rank (new_group is collective over the default group). Over a part of
+        # it (the data-parallel group of a mesh whose other groups run the same code on other
+        # ranks), each rank creates only its own, synchronizing with their members alone.
         self._sub = {}
+        whole = self.world_size == dist.get_world_size()
         for ranks in worker_groups(group_size, self.world_size):
             if len(ranks) == self.world_size:
                 self._sub[ranks] = self.group
-            elif len(ranks) > 1:
+            elif len(ranks) > 1 and whole:
                 self._sub[ranks] = dist.new_group([self._globals[r] for r in ranks])
+            elif len(ranks) > 1 and self.rank in ranks:
+                self._sub[ranks] = dist.new_group([self._globals[r] for r in ranks],
+                                                  use_local_synchronization=True)
 
     @property
     def distributed(self) -> bool:
@@ -271,3 +277,48 @@ class DataParallel:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
         return self.sync_collectives - count, self.sync_bytes - nbytes
+
+
+class AllRanks:
+    """Every rank of a trainer whose ranks form a mesh: data parallelism over ``groups[0]``
+    and, with a sequence-parallel policy, the sequence-parallel group ``groups[1]`` (its
+    ranks run the same rows). An agreement over the whole mesh is one over each group in
+    turn: the max of the groups' maxima (min of minima) is the mesh's, and a value equal
+    across every group a rank belongs to is equal across the mesh (each rank shares a group
+    with a rank of every other group along each axis). ``None`` groups are skipped."""
+
+    def __init__(self, *groups: DataParallel | None):
+        self.groups = [g for g in groups if g is not None and g.distributed]
+
+    @property
+    def distributed(self) -> bool:
+        return bool(self.groups)
+
+    def check_same(self, what: str, value: str, *, fix: str | None = None) -> None:
+        for g in self.groups:
+            g.check_same(what, value, fix=fix)
+
+    def all_max(self, value: float) -> float:
+        for g in self.groups:
+            value = g.all_max(value)
+        return value
+
+    def all_min(self, value: float) -> float:
+        for g in self.groups:
+            value = g.all_min(value)
+        return value
+
+    def broadcast_module(self, module: torch.nn.Module) -> None:
+        """The mesh's first rank's parameters and buffers on every rank (rank 0 of each
+        group in turn)."""
+        for g in self.groups:
+            g.broadcast_module(module)
+
+    def sync_gradients(self, grads: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """``grads`` summed over the mesh in place (one flat all-reduce per group and dtype);
+        (collectives, bytes) issued."""
+        count = nbytes = 0
+        for g in self.groups:
+            c, b = g.sync_gradients(grads)
+            count, nbytes = count + c, nbytes + b
+        return count, nbytes

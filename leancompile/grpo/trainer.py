@@ -45,7 +45,7 @@ from .sde import SDE_KINDS, sde_step
 from .step import PolicyStep
 from .layout import LAYOUTS, Unit, assign, draw_samples, row_owner, step_seed
 from .fsdp import GatheredPolicy, ParameterSharding
-from .parallel import DataParallel
+from .parallel import AllRanks, DataParallel
 from .timesteps import TimestepSelection
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "GradResult", "Rollout", "PendingUpdate",
@@ -329,27 +329,26 @@ class GRPOTrainer:
         if self.sequence_parallel is not None:
             self._sequence_sync = DataParallel("ddp", self.sequence_parallel.group,
                                                timeout_s=timeout_s)
-            if self.parallel.distributed:
-                raise NotImplementedError(
-                    f"parallel={parallel!r} with a sequence-parallel policy: data parallelism "
-                    "over groups of sequence-parallel ranks is not supported yet. Use "
-                    "parallel=None: the ranks of the sequence-parallel group share every row.")
+            self._check_mesh(parallel)
             if config.schedule == "reweight":
                 raise ValueError(
                     "schedule='reweight' with a sequence-parallel policy: Reweight's per-sample "
                     "gradients batch the step's backward graph with vmap, which cannot batch "
                     "its all-to-alls. Use schedule='retain', 'recompute' or 'auto' (which then "
                     "chooses between those two).")
+        self.ranks = AllRanks(self.parallel, self._sequence_sync)
+        """Every rank of the trainer (data parallel x sequence parallel): what they must agree
+        on (config, conditions, schedule, memory budget) is checked and agreed over all."""
         self.step_count = 0
         """Optimizer steps taken by ``step`` (saved and restored by checkpoints)."""
-        if self.parallel.distributed:
+        if self.ranks.distributed:
             shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in policy.named_parameters()
                       if p.requires_grad]
-            self.parallel.check_same("the GRPOConfig and trainable parameters",
-                                     f"{config!r} {shapes}")
+            self.ranks.check_same("the GRPOConfig and trainable parameters",
+                                  f"{config!r} {shapes}")
             held = getattr(policy, "_leancompile_sharding", None)
             if held is None:
-                self.parallel.broadcast_module(policy)
+                self.ranks.broadcast_module(policy)
             elif self.parallel.parallel != "fsdp":
                 raise ValueError(f"the policy's parameters were sharded by a "
                                  f"parallel='fsdp' trainer; parallel={parallel!r} needs whole "
@@ -366,6 +365,31 @@ class GRPOTrainer:
         self.last_rollout: Rollout | None = None
 
     # -- set-up -------------------------------------------------------------------------------
+    def _check_mesh(self, parallel) -> None:
+        """A sequence-parallel policy with data parallelism: the ranks of a sequence-parallel
+        group run the same rows, so they must share one data-parallel rank (their
+        ``process_group`` is the data-parallel dimension of one mesh, ``(dp, sp)``)."""
+        if not self.parallel.distributed:
+            return
+        sp = self._sequence_sync
+        mesh_fix = ("Build both groups from one mesh: mesh = init_device_mesh(device, (dp, sp), "
+                    "mesh_dim_names=('dp', 'sp')); parallelize_ulysses(transformer, "
+                    "mesh.get_group('sp')); GRPOTrainer(..., parallel='ddp', "
+                    "process_group=mesh.get_group('dp')).")
+        if self.parallel.parallel == "fsdp":
+            raise NotImplementedError(
+                "parallel='fsdp' with a sequence-parallel policy is not supported yet (the "
+                "step would gather the parameters over the data-parallel group inside graphs "
+                "that also hold the sequence-parallel all-to-alls). Use parallel='ddp' over "
+                "the data-parallel dimension. " + mesh_fix)
+        sp.check_same(
+            "the data-parallel rank (in process_group) of the sequence-parallel group's ranks",
+            f"data-parallel rank {self.parallel.rank} of {self.parallel.world_size}",
+            fix=f"parallel={parallel!r} with a sequence-parallel policy: the ranks of a "
+                "sequence-parallel group run the same rows, so each must hold the same "
+                "data-parallel rank, and process_group must hold one rank of each "
+                "sequence-parallel group. " + mesh_fix)
+
     def _shard(self, optimizer) -> None:
         """``parallel="fsdp"``: replace the trainable parameters by this rank's shards, and
         point a fresh optimizer at them (it must not have taken a step yet: its state would
@@ -548,8 +572,8 @@ class GRPOTrainer:
         """Plan the three schedules from the step's graphs, pick one (auto, with smaller
         partitioner budgets for retain when it does not fit)."""
         cfg = self.config
-        # Data parallel: every rank plans with the smallest budget of them all.
-        budget_bytes = int(self.parallel.all_min(self._budget_bytes(example[0][0].device)))
+        # Data (and sequence) parallel: every rank plans with the smallest budget of them all.
+        budget_bytes = int(self.ranks.all_min(self._budget_bytes(example[0][0].device)))
         rows_per_step = [n for n in mask.sum(0).tolist() if n]
         num_rows, num_steps = mask.shape
         samples_in_flight = num_rows if cfg.global_std else (
@@ -626,13 +650,13 @@ class GRPOTrainer:
         # One base seed per step; every sample draws from its own generator seeded by
         # (seed, prompt, generation), so where a sample runs does not change what it draws.
         seed = step_seed(generator)
-        if par.distributed:
+        if self.ranks.distributed:
             fingerprint = [(k, tuple(v.shape), str(v.dtype),
                             float(v.detach().double().sum()),
                             float((v.detach().double().flatten() ** 2).sum()))
                            for k, v in conditions.items()]
-            par.check_same("the step's conditions and generator seed",
-                           f"seed {seed} schedule {schedule} chunks {chunks} {fingerprint}")
+            self.ranks.check_same("the step's conditions and generator seed",
+                                  f"seed {seed} schedule {schedule} chunks {chunks} {fingerprint}")
         # One process: every layout is "all rows here, one prompt group after another".
         layout = cfg.layout if par.distributed else "conventional"
         owner = row_owner(layout, num_prompts=num_prompts, group_size=cfg.group_size,
@@ -670,11 +694,11 @@ class GRPOTrainer:
                    and not self._group_sync() and len(units) > 1)
         schedule, reason, plans, partitioner_budget, budget_bytes = self._plans(
             keys, example, plan_mask, schedule, in_flight=in_flight, held_grads=held)
-        if par.distributed:
+        if self.ranks.distributed:
             # The ranks must run the same schedule (their collectives follow it): the most
             # frugal of their choices.
             order = ("retain", "reweight", "recompute")
-            agreed = order[int(par.all_max(order.index(schedule)))]
+            agreed = order[int(self.ranks.all_max(order.index(schedule)))]
             if agreed != schedule:
                 reason = (f"{agreed}: another rank's rows do not fit {schedule} (this rank: "
                           f"{reason})")
@@ -682,7 +706,8 @@ class GRPOTrainer:
             # And the same graphs: Retain's partitioner budget changes what the backward
             # recomputes (under fsdp, which gathers it runs), so the smallest budget any
             # rank needs (None, the partitioner's default, counts as the largest).
-            value = par.all_min(2.0 if partitioner_budget is None else partitioner_budget)
+            value = self.ranks.all_min(2.0 if partitioner_budget is None
+                                       else partitioner_budget)
             agreed_budget = None if value >= 2.0 else value
             if schedule == "retain" and agreed_budget != partitioner_budget:
                 reason += (f"; partitioner budget {agreed_budget}, which another rank's rows "
@@ -724,9 +749,11 @@ class GRPOTrainer:
         """Per schedule, the gradient reductions one update will issue on this rank and their
         bytes (what ``GradResult.sync_collectives`` / ``sync_bytes`` then count), with a line
         saying where they come from; ({}, "") in one process."""
-        par = self._sequence_sync if self._sequence_sync is not None else self.parallel
-        if not par.distributed:
+        if not self.ranks.distributed:
             return {}, ""
+        par = self.parallel
+        # Without sharding: one all-reduce per group of the mesh (data, sequence parallel).
+        groups = len(self.ranks.groups)
         params = dict(self.policy.named_parameters())
         grads = [params[n] for n in self.trainable]
         buckets = len({(p.dtype, p.device) for p in grads})
@@ -743,12 +770,16 @@ class GRPOTrainer:
             out["retain"] = out["recompute"]
         else:  # one all-reduce of every gradient per update (Reweight: per round)
             full = sum(p.numel() * p.element_size() for p in grads)
-            out = {"recompute": (buckets, full), "retain": (buckets, full)}
-        out["reweight"] = (max(rounds, 1) * buckets, max(rounds, 1) * full)
+            out = {"recompute": (groups * buckets, groups * full),
+                   "retain": (groups * buckets, groups * full)}
+        out["reweight"] = (max(rounds, 1) * buckets * groups, max(rounds, 1) * full * groups)
         cfg = self.config
-        kind = ("fsdp" if self.sharding is not None else "ddp" if self._sequence_sync is None
-                else "the sequence-parallel group's sum")
-        why = [f"{kind} over {par.world_size} ranks"]
+        kinds = [f"{'fsdp' if self.sharding is not None else 'ddp'} over {par.world_size} "
+                 "ranks"] if par.distributed else []
+        if self._sequence_sync is not None and self._sequence_sync.distributed:
+            kinds.append(f"the sequence-parallel group's sum over "
+                         f"{self._sequence_sync.world_size} ranks")
+        why = [" and ".join(kinds)]
         if self.sharding is not None:
             per = (f"{count} bucketed reduce-scatter(s) of {format_bytes(nbytes)}, "
                    f"bucket_cap_mb={cfg.bucket_cap_mb:g}" if cfg.bucket_cap_mb is not None
@@ -1140,9 +1171,7 @@ class PendingUpdate:
             grads[name] = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
             p.grad = None
         with record_function("leancompile.sync"):
-            self.sync = self.trainer.parallel.sync_gradients(grads)
-            if self.trainer._sequence_sync is not None:
-                self.sync = self.trainer._sequence_sync.sync_gradients(grads)
+            self.sync = self.trainer.ranks.sync_gradients(grads)
             if self.trainer.sharding is not None:
                 self.sync = self._fsdp_reductions(grads, deferred=deferred)
         return grads
