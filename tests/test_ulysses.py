@@ -253,6 +253,7 @@ def _grpo(rank, world, out_dir):
 def _grpo_mesh(rank, world, out_dir):
     """GRPO on a (dp, sp) = (2, 2) mesh: data parallelism over two sequence-parallel groups,
     against one process's gradients; the schedule agreed over every rank of the mesh."""
+    import dataclasses
     import hashlib
     import sys
 
@@ -288,11 +289,6 @@ def _grpo_mesh(rank, world, out_dir):
         GRPOTrainer(policy, mean_latent_reward, None, config, parallel="ddp")
     except RankMismatchError as err:
         out["world"] = str(err)
-    try:
-        GRPOTrainer(policy, mean_latent_reward, None, config, parallel="fsdp",
-                    process_group=mesh.get_group("dp"))
-    except NotImplementedError as err:
-        out["fsdp"] = str(err)
     trainer = GRPOTrainer(policy, mean_latent_reward, None, config, parallel="ddp",
                           process_group=mesh.get_group("dp"))
     # retain, then auto on a mesh whose last rank has no memory to spare: every rank must run
@@ -310,6 +306,36 @@ def _grpo_mesh(rank, world, out_dir):
     trainer.optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
     saved = trainer.save(os.path.join(out_dir, "mesh_run"))
     out["saved"] = sorted(os.listdir(os.path.dirname(saved)))
+    # FSDP over the dp dimension: each rank holds its dp group's part of every parameter,
+    # gathered inside the step; Retain's backward gathers again, reduce-scatters over dp,
+    # and the sp group sums the parts.
+    dp = mesh.get_group("dp")
+    shapes = {n: tuple(p.shape) for n, p in policy.named_parameters()}
+    retain = dataclasses.replace(config, schedule="retain")  # (auto would capture twice)
+    fsdp = GRPOTrainer(policy, mean_latent_reward, torch.optim.SGD(policy.parameters(), lr=0.1),
+                       retain, parallel="fsdp", process_group=dp)
+    predicted = fsdp.explain(conditions, torch.Generator().manual_seed(5),
+                             schedule="retain").gradient_sync["retain"]
+    got = fsdp.compute_gradients(conditions, torch.Generator().manual_seed(5),
+                                 schedule="retain")
+    full = {}
+    for n, g in got.grads.items():
+        parts = [torch.empty_like(g) for _ in range(2)]
+        dist.all_gather(parts, g.contiguous(), group=dp)
+        full[n] = torch.cat(parts)[:shapes[n][0]]
+    out["fsdp"] = {"rel": agreement(full, ref)[1], "sharded": any(
+        tuple(p.shape) != shapes[n] for n, p in policy.named_parameters()),
+        "syncs": [got.sync_collectives, got.sync_bytes], "predicted": list(predicted)}
+    fsdp.step(conditions, torch.Generator().manual_seed(6))
+    saved = fsdp.save(os.path.join(out_dir, "mesh_fsdp"))
+    stepped = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(1.0)
+    fsdp.load(saved, policy, mean_latent_reward, torch.optim.SGD(policy.parameters(), lr=0.1),
+              retain, parallel="fsdp", process_group=dp)
+    out["fsdp"]["resumed"] = all(torch.equal(stepped[n], p)
+                                 for n, p in policy.named_parameters())
     sp.undo()
     return out
 
@@ -394,7 +420,11 @@ def test_four_ranks(tmp_path):
     for rank, rec in enumerate(records):
         mesh = rec["mesh"]
         assert "init_device_mesh" in mesh["world"] and "data-parallel rank" in mesh["world"]
-        assert "parallel='fsdp' with a sequence-parallel policy" in mesh["fsdp"]
+        fsdp = mesh["fsdp"]
+        assert fsdp["sharded"] and fsdp["rel"] <= 1e-5, (rank, fsdp)
+        # each trained step's reduce-scatter over dp, then one sum of the parts over sp
+        assert fsdp["syncs"] == fsdp["predicted"] and fsdp["syncs"][0] > 1, fsdp
+        assert fsdp["resumed"], fsdp
         for schedule, ran in (("retain", "retain"), ("auto", "recompute")):
             got = mesh[schedule]
             # auto: the last rank's budget fits nothing but recompute, on every rank

@@ -119,7 +119,9 @@ def save(trainer, run_dir) -> Path:
     """Write the trainer's state as ``run_dir/step_K`` (K = steps taken) and point
     ``run_dir/latest`` at it; returns the checkpoint folder. Collective when data parallel
     (``fsdp``: every rank writes its parts, into a folder all ranks must see). With a
-    sequence-parallel policy, rank 0 of its group writes and the group waits for it."""
+    sequence-parallel policy, rank 0 of its group writes and the group waits for it (under
+    fsdp: the data-parallel group of the sequence-parallel groups' ranks 0 writes the
+    parts)."""
     run_dir = Path(run_dir)
     name = f"step_{trainer.step_count:08d}"
     final = run_dir / name
@@ -143,7 +145,8 @@ def save(trainer, run_dir) -> Path:
         # within timeout_s, not a hang).
         suffix = par.broadcast_int(0 if tmp is None else int(tmp.name.rsplit("-", 1)[1], 16))
         tmp = run_dir / f"{name}.tmp-{suffix:x}"
-        _save_sharded(trainer, tmp)
+        if sequence is None or sequence.rank == 0:  # the other positions hold the same parts
+            _save_sharded(trainer, tmp)
         par.barrier()
     if writer:
         _write(trainer, tmp)

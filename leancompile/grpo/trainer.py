@@ -367,21 +367,16 @@ class GRPOTrainer:
     # -- set-up -------------------------------------------------------------------------------
     def _check_mesh(self, parallel) -> None:
         """A sequence-parallel policy with data parallelism: the ranks of a sequence-parallel
-        group run the same rows, so they must share one data-parallel rank (their
-        ``process_group`` is the data-parallel dimension of one mesh, ``(dp, sp)``)."""
+        group run the same rows (and, under fsdp, hold the same parts), so they must share one
+        data-parallel rank (their ``process_group`` is the data-parallel dimension of one
+        mesh, ``(dp, sp)``)."""
         if not self.parallel.distributed:
             return
         sp = self._sequence_sync
         mesh_fix = ("Build both groups from one mesh: mesh = init_device_mesh(device, (dp, sp), "
                     "mesh_dim_names=('dp', 'sp')); parallelize_ulysses(transformer, "
-                    "mesh.get_group('sp')); GRPOTrainer(..., parallel='ddp', "
+                    "mesh.get_group('sp')); GRPOTrainer(..., parallel='ddp' (or 'fsdp'), "
                     "process_group=mesh.get_group('dp')).")
-        if self.parallel.parallel == "fsdp":
-            raise NotImplementedError(
-                "parallel='fsdp' with a sequence-parallel policy is not supported yet (the "
-                "step would gather the parameters over the data-parallel group inside graphs "
-                "that also hold the sequence-parallel all-to-alls). Use parallel='ddp' over "
-                "the data-parallel dimension. " + mesh_fix)
         sp.check_same(
             "the data-parallel rank (in process_group) of the sequence-parallel group's ranks",
             f"data-parallel rank {self.parallel.rank} of {self.parallel.world_size}",
@@ -766,7 +761,11 @@ class GRPOTrainer:
             count, nbytes = _backward_reductions(graph)
             full = sum(self.sharding.rows[n] * par.world_size * p[0].numel() * p.element_size()
                        for n, p in zip(self.trainable, grads))
-            out = {"recompute": (count * trained_steps, nbytes * trained_steps)}
+            parts = sum(p.numel() * p.element_size() for p in grads)
+            # and a sequence-parallel group sums the reduced parts
+            summed = (buckets, parts) if groups > 1 else (0, 0)
+            out = {"recompute": (count * trained_steps + summed[0],
+                                 nbytes * trained_steps + summed[1])}
             out["retain"] = out["recompute"]
         else:  # one all-reduce of every gradient per update (Reweight: per round)
             full = sum(p.numel() * p.element_size() for p in grads)
@@ -1116,7 +1115,8 @@ def _gather_order(gm, report=None, phase: str = "") -> list:
             continue
         arg = next((a for a in node.args if isinstance(a, torch.fx.Node)), None)
         val = arg.meta.get("val") if arg is not None else None
-        out.append((str(node.target).split(".")[1], str(val.dtype), tuple(val.shape))
+        out.append((str(node.target).split(".")[1], str(val.dtype),
+                    tuple(str(d) for d in val.shape))  # (sizes may be symbolic)
                    if isinstance(val, torch.Tensor) else str(node.target))
     if report is not None:
         out += [note for r in report.graphs if r.phase == phase for p in r.passes
@@ -1171,9 +1171,12 @@ class PendingUpdate:
             grads[name] = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
             p.grad = None
         with record_function("leancompile.sync"):
-            self.sync = self.trainer.ranks.sync_gradients(grads)
-            if self.trainer.sharding is not None:
-                self.sync = self._fsdp_reductions(grads, deferred=deferred)
+            sync = (0, 0)
+            if self.trainer.sharding is not None:  # the parts, reduced over data parallel
+                sync = self._fsdp_reductions(grads, deferred=deferred)
+            # ddp's all-reduce (fsdp: none), then the sequence-parallel group's sum
+            more = self.trainer.ranks.sync_gradients(grads)
+            self.sync = (sync[0] + more[0], sync[1] + more[1])
         return grads
 
     def reduce_round(self) -> None:
