@@ -99,13 +99,14 @@ def _cmd_explain(ns) -> int:
 def _cmd_demo(ns) -> int:
     from .demos import run_demo
 
-    if ns.sp is not None and ns.name not in ("overlap", "grpo"):
+    sp = ns.sp_size if ns.sp_size is not None else 2 if ns.sp else None
+    if sp is not None and ns.name not in ("overlap", "grpo"):
         raise SystemExit("--sp goes with `leancompile demo overlap` (the sequence-parallel DiT) "
-                         "or `demo grpo` (under torchrun: sequence-parallel groups of SP ranks)")
-    if ns.name == "overlap" and ns.sp not in (None, 2):
-        raise SystemExit(f"--sp {ns.sp}: the overlap demo's sequence-parallel FLUX runs on 2 "
-                         "ranks (--sp or --sp 2)")
-    return run_demo(ns.name, out=ns.out, sp=ns.sp)
+                         "or `demo grpo` (under torchrun: sequence-parallel groups of ranks)")
+    if ns.name == "overlap" and sp not in (None, 2):
+        raise SystemExit(f"--sp-size {sp}: the overlap demo's sequence-parallel FLUX runs on 2 "
+                         "ranks")
+    return run_demo(ns.name, out=ns.out, sp=sp)
 
 
 def _cmd_check_inputs(ns) -> int:
@@ -171,10 +172,12 @@ def main(argv=None) -> int:
     d.add_argument("name", nargs="?", default="grpo",
                    choices=("grpo", "loop", "explain", "overlap"))
     d.add_argument("--out", default="leancompile-out", help="output folder")
-    d.add_argument("--sp", nargs="?", type=int, const=2, default=None, metavar="SP",
+    d.add_argument("--sp", action="store_true",
                    help="overlap demo: a Ulysses sequence-parallel FLUX instead of the TP+SP "
                         "block; grpo demo under torchrun: the transformer sequence parallel "
-                        "over groups of SP ranks (default 2), data parallel over the groups")
+                        "over groups of 2 ranks (--sp-size), data parallel over the groups")
+    d.add_argument("--sp-size", type=int, default=None, metavar="N",
+                   help="grpo demo: ranks per sequence-parallel group (implies --sp)")
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="run a benchmark (leancompile bench grpo --help)",

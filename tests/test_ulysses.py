@@ -289,8 +289,23 @@ def _grpo_mesh(rank, world, out_dir):
         GRPOTrainer(policy, mean_latent_reward, None, config, parallel="ddp")
     except RankMismatchError as err:
         out["world"] = str(err)
+    # Data-parallel groups that are not a mesh dimension: {0, 3} and {1, 2} hold ranks at
+    # different positions of their sequence-parallel groups {0, 1} and {2, 3}.
+    crossed = [dist.new_group(ranks) for ranks in ([0, 3], [1, 2])]
+    try:
+        GRPOTrainer(policy, mean_latent_reward, None, config, parallel="ddp",
+                    process_group=crossed[0] if rank in (0, 3) else crossed[1])
+    except RankMismatchError as err:
+        out["crossed"] = str(err)
     trainer = GRPOTrainer(policy, mean_latent_reward, None, config, parallel="ddp",
                           process_group=mesh.get_group("dp"))
+    # The last rank draws another seed: every rank raises (rank 0's groups agree among
+    # themselves, and it learns of the mismatch instead of waiting for its peers).
+    try:
+        trainer.compute_gradients(conditions, torch.Generator().manual_seed(
+            5 + (rank == world - 1)), schedule="retain")
+    except RankMismatchError as err:
+        out["seed"] = str(err)
     # retain, then auto on a mesh whose last rank has no memory to spare: every rank must run
     # recompute (a rank running retain while a peer recomputes would wait forever).
     for schedule in ("retain", "auto"):
@@ -420,6 +435,8 @@ def test_four_ranks(tmp_path):
     for rank, rec in enumerate(records):
         mesh = rec["mesh"]
         assert "init_device_mesh" in mesh["world"] and "data-parallel rank" in mesh["world"]
+        assert "position in their sequence-parallel groups" in mesh["crossed"], mesh
+        assert ("another rank" if rank == 0 else "generator seed") in mesh["seed"], mesh
         fsdp = mesh["fsdp"]
         assert fsdp["sharded"] and fsdp["rel"] <= 1e-5, (rank, fsdp)
         # each trained step's reduce-scatter over dp, then one sum of the parts over sp

@@ -26,10 +26,11 @@ training. torch runs on one thread during the demo (see ``main``).
 Under ``torchrun --nproc-per-node N`` (the environment names ``WORLD_SIZE > 1``) the demo joins
 the process group (gloo on CPU, NCCL when CUDA is available), trains with
 ``parallel="ddp"`` and the shared-prompt layout, and only rank 0 prints and writes images; the
-seeds and the numbers match one process up to summation order. ``sp=S`` (``leancompile demo grpo
---sp S``) makes the transformer Ulysses sequence parallel over groups of ``S`` ranks
-(``parallelize_ulysses``) and runs data parallelism over the ``N / S`` groups: a ``(dp, sp)``
-mesh, as DanceGRPO's ``sp_size``. Reweight is left out then (it cannot batch the all-to-alls).
+seeds and the numbers match one process up to summation order. ``sp=S`` (``leancompile demo
+grpo --sp-size S``; ``--sp`` alone: 2) makes the transformer Ulysses sequence parallel over
+groups of ``S`` ranks (``parallelize_ulysses``) and runs data parallelism over the ``N / S``
+groups: a ``(dp, sp)`` mesh, as DanceGRPO's ``sp_size``. Reweight is left out then (it cannot
+batch the all-to-alls).
 """
 
 from __future__ import annotations

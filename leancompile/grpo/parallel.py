@@ -42,7 +42,9 @@ class PeerFailureError(RuntimeError):
 
 class DataParallel:
     def __init__(self, parallel: str | None, group=None, *, group_size: int = 1,
-                 timeout_s: float | None = 600.0):
+                 timeout_s: float | None = 600.0, label: str = "data-parallel trainer"):
+        self.label = label
+        """What the group is, in errors."""
         if parallel not in PARALLEL:
             raise ValueError(f"parallel={parallel!r}; use one of {PARALLEL}")
         self.parallel = parallel
@@ -180,13 +182,13 @@ class DataParallel:
         dist.all_gather_object(everyone, value, group=self.group)
         groups: dict[str, list[int]] = {}
         for r, v in enumerate(everyone):
-            groups.setdefault(v, []).append(r)
+            groups.setdefault(v, []).append(self._globals[r])
         detail = "; ".join(f"ranks {ranks}: {v[:300]}" for v, ranks in groups.items())
         raise RankMismatchError(
-            f"{what} differs across the {self.world_size} ranks of the data-parallel trainer "
-            f"({detail}). " + (fix or "Every rank must build the trainer with the same config "
-                               "and pass the same global batch of conditions and the same "
-                               "generator seed"))
+            f"{what} differs across the {self.world_size} ranks of the {self.label} "
+            f"({detail}; global ranks). " + (
+                fix or "Every rank must build the trainer with the same config and pass the "
+                "same global batch of conditions and the same generator seed"))
 
     # -- collectives of a step ---------------------------------------------------------------
     def gather_rows(self, values: torch.Tensor, owned: torch.Tensor,
@@ -295,8 +297,26 @@ class AllRanks:
         return bool(self.groups)
 
     def check_same(self, what: str, value: str, *, fix: str | None = None) -> None:
+        """``RankMismatchError`` on every rank of the mesh when ``value`` differs anywhere (a
+        rank of a group without the difference learns it too, instead of waiting in its next
+        collective for peers that raised)."""
+        if len(self.groups) == 1:
+            return self.groups[0].check_same(what, value, fix=fix)
+        error = None
         for g in self.groups:
-            g.check_same(what, value, fix=fix)
+            try:
+                g.check_same(what, value, fix=fix)
+            except RankMismatchError as e:
+                error = error or e
+        self.raise_together(error)
+
+    def raise_together(self, error: Exception | None) -> None:
+        """Raise on every rank when any rank has an error: this rank's own, or one saying that
+        another rank's names the problem."""
+        if self.all_max(float(error is not None)) > 0:
+            raise error if error is not None else RankMismatchError(
+                "another rank of the (dp, sp) mesh found a mismatch (its error names it); every "
+                "rank stops here")
 
     def all_max(self, value: float) -> float:
         for g in self.groups:

@@ -45,7 +45,7 @@ from .sde import SDE_KINDS, sde_step
 from .step import PolicyStep
 from .layout import LAYOUTS, Unit, assign, draw_samples, row_owner, step_seed
 from .fsdp import GatheredPolicy, ParameterSharding
-from .parallel import AllRanks, DataParallel
+from .parallel import AllRanks, DataParallel, RankMismatchError
 from .timesteps import TimestepSelection
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "GradResult", "Rollout", "PendingUpdate",
@@ -328,7 +328,8 @@ class GRPOTrainer:
         all-reduce, counts and peer-failure errors are data parallelism's)."""
         if self.sequence_parallel is not None:
             self._sequence_sync = DataParallel("ddp", self.sequence_parallel.group,
-                                               timeout_s=timeout_s)
+                                               timeout_s=timeout_s,
+                                               label="sequence-parallel group")
             self._check_mesh(parallel)
             if config.schedule == "reweight":
                 raise ValueError(
@@ -368,8 +369,10 @@ class GRPOTrainer:
     def _check_mesh(self, parallel) -> None:
         """A sequence-parallel policy with data parallelism: the ranks of a sequence-parallel
         group run the same rows (and, under fsdp, hold the same parts), so they must share one
-        data-parallel rank (their ``process_group`` is the data-parallel dimension of one
-        mesh, ``(dp, sp)``)."""
+        data-parallel rank, and the ranks of ``process_group`` one position in their
+        sequence-parallel groups (the two groups are the dimensions of one mesh, ``(dp, sp)``;
+        checkpoints under fsdp are written by the data-parallel group at position 0). Raised
+        on every rank."""
         if not self.parallel.distributed:
             return
         sp = self._sequence_sync
@@ -377,13 +380,23 @@ class GRPOTrainer:
                     "mesh_dim_names=('dp', 'sp')); parallelize_ulysses(transformer, "
                     "mesh.get_group('sp')); GRPOTrainer(..., parallel='ddp' (or 'fsdp'), "
                     "process_group=mesh.get_group('dp')).")
-        sp.check_same(
-            "the data-parallel rank (in process_group) of the sequence-parallel group's ranks",
-            f"data-parallel rank {self.parallel.rank} of {self.parallel.world_size}",
-            fix=f"parallel={parallel!r} with a sequence-parallel policy: the ranks of a "
-                "sequence-parallel group run the same rows, so each must hold the same "
-                "data-parallel rank, and process_group must hold one rank of each "
-                "sequence-parallel group. " + mesh_fix)
+        fix = (f"parallel={parallel!r} with a sequence-parallel policy: the ranks of a "
+               "sequence-parallel group run the same rows, so each must hold the same "
+               "data-parallel rank, and the ranks of process_group must hold the same "
+               "position in their sequence-parallel groups. " + mesh_fix)
+        error = None
+        for group, what, value in (
+                (sp, "the data-parallel rank (in process_group) of the sequence-parallel "
+                 "group's ranks", f"data-parallel rank {self.parallel.rank} of "
+                 f"{self.parallel.world_size}"),
+                (self.parallel, "the position in their sequence-parallel groups of "
+                 "process_group's ranks", f"sequence-parallel rank {sp.rank} of "
+                 f"{sp.world_size}")):
+            try:
+                group.check_same(what, value, fix=fix)
+            except RankMismatchError as e:
+                error = error or e
+        AllRanks(self.parallel, sp).raise_together(error)
 
     def _shard(self, optimizer) -> None:
         """``parallel="fsdp"``: replace the trainable parameters by this rank's shards, and
