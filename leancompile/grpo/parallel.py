@@ -285,9 +285,10 @@ class AllRanks:
     """Every rank of a trainer whose ranks form a mesh: data parallelism over ``groups[0]``
     and, with a sequence-parallel policy, the sequence-parallel group ``groups[1]`` (its
     ranks run the same rows). An agreement over the whole mesh is one over each group in
-    turn: the max of the groups' maxima (min of minima) is the mesh's, and a value equal
-    across every group a rank belongs to is equal across the mesh (each rank shares a group
-    with a rank of every other group along each axis). ``None`` groups are skipped."""
+    turn: after a max over the ``dp`` groups, the ranks of an ``sp`` group hold the maxima of
+    their rows of the mesh, and a max over the ``sp`` group gives every rank the mesh's (min
+    likewise; a sum of gradients likewise). ``None`` groups and one-rank groups are
+    skipped."""
 
     def __init__(self, *groups: DataParallel | None):
         self.groups = [g for g in groups if g is not None and g.distributed]
