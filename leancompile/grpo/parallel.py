@@ -303,17 +303,18 @@ class AllRanks:
         collective for peers that raised)."""
         if len(self.groups) == 1:
             return self.groups[0].check_same(what, value, fix=fix)
+        self.check_each([(g, what, value) for g in self.groups], fix=fix)
+
+    def check_each(self, checks, *, fix: str | None = None) -> None:
+        """``checks``: (group, what, value) triples, each checked within its group; then
+        ``RankMismatchError`` on every rank of the mesh when any of them differs (this rank's
+        own error, or one saying that another rank's names the problem)."""
         error = None
-        for g in self.groups:
+        for group, what, value in checks:
             try:
-                g.check_same(what, value, fix=fix)
+                group.check_same(what, value, fix=fix)
             except RankMismatchError as e:
                 error = error or e
-        self.raise_together(error)
-
-    def raise_together(self, error: Exception | None) -> None:
-        """Raise on every rank when any rank has an error: this rank's own, or one saying that
-        another rank's names the problem."""
         if self.all_max(float(error is not None)) > 0:
             raise error if error is not None else RankMismatchError(
                 "another rank of the (dp, sp) mesh found a mismatch (its error names it); every "

@@ -45,7 +45,7 @@ from .sde import SDE_KINDS, sde_step
 from .step import PolicyStep
 from .layout import LAYOUTS, Unit, assign, draw_samples, row_owner, step_seed
 from .fsdp import GatheredPolicy, ParameterSharding
-from .parallel import AllRanks, DataParallel, RankMismatchError
+from .parallel import AllRanks, DataParallel
 from .timesteps import TimestepSelection
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "GradResult", "Rollout", "PendingUpdate",
@@ -330,6 +330,10 @@ class GRPOTrainer:
             self._sequence_sync = DataParallel("ddp", self.sequence_parallel.group,
                                                timeout_s=timeout_s,
                                                label="sequence-parallel group")
+        self.ranks = AllRanks(self.parallel, self._sequence_sync)
+        """Every rank of the trainer (data parallel x sequence parallel): what they must agree
+        on (config, conditions, schedule, memory budget) is checked and agreed over all."""
+        if self.sequence_parallel is not None:
             self._check_mesh(parallel)
             if config.schedule == "reweight":
                 raise ValueError(
@@ -337,9 +341,6 @@ class GRPOTrainer:
                     "gradients batch the step's backward graph with vmap, which cannot batch "
                     "its all-to-alls. Use schedule='retain', 'recompute' or 'auto' (which then "
                     "chooses between those two).")
-        self.ranks = AllRanks(self.parallel, self._sequence_sync)
-        """Every rank of the trainer (data parallel x sequence parallel): what they must agree
-        on (config, conditions, schedule, memory budget) is checked and agreed over all."""
         self.step_count = 0
         """Optimizer steps taken by ``step`` (saved and restored by checkpoints)."""
         if self.ranks.distributed:
@@ -384,19 +385,12 @@ class GRPOTrainer:
                "sequence-parallel group run the same rows, so each must hold the same "
                "data-parallel rank, and the ranks of process_group must hold the same "
                "position in their sequence-parallel groups. " + mesh_fix)
-        error = None
-        for group, what, value in (
-                (sp, "the data-parallel rank (in process_group) of the sequence-parallel "
-                 "group's ranks", f"data-parallel rank {self.parallel.rank} of "
-                 f"{self.parallel.world_size}"),
-                (self.parallel, "the position in their sequence-parallel groups of "
-                 "process_group's ranks", f"sequence-parallel rank {sp.rank} of "
-                 f"{sp.world_size}")):
-            try:
-                group.check_same(what, value, fix=fix)
-            except RankMismatchError as e:
-                error = error or e
-        AllRanks(self.parallel, sp).raise_together(error)
+        self.ranks.check_each([
+            (sp, "the data-parallel rank (in process_group) of the sequence-parallel group's "
+             "ranks", f"data-parallel rank {self.parallel.rank} of {self.parallel.world_size}"),
+            (self.parallel, "the position in their sequence-parallel groups of "
+             "process_group's ranks", f"sequence-parallel rank {sp.rank} of {sp.world_size}")],
+            fix=fix)
 
     def _shard(self, optimizer) -> None:
         """``parallel="fsdp"``: replace the trainable parameters by this rank's shards, and
