@@ -69,7 +69,7 @@ from .passes.coalesced_sync import find_gradient_reductions, take_out_reductions
 from .runtime.accumulate import accumulating
 from .runtime.frameless import frameless
 from .runtime.reuse import Reused, gather_rows, row_hashes, storage_bytes, whole_hash
-from .runtime.vmap_ops import VMAP_REPLACEMENTS
+from .runtime.vmap_ops import unbatchable_collectives, vmap_friendly
 
 __all__ = ["lean_compile", "LeanStep", "StepConfig", "StepStats", "StepReport", "SCHEDULES",
            "free_memory_bytes"]
@@ -179,6 +179,9 @@ class StepStats:
     """Backwards run in the rollout for per-row gradients (one per vectorised chunk of rows)."""
     reweight_rows_per_backward: int = 0
     """The most rows one of those backwards took (1: one backward per row)."""
+    reweight_unbatched: str = ""
+    """Why per-row gradients ran one backward per row although the rows were apart ("" if
+    they did not, or batched)."""
     reweight_fused_steps: int = 0
     """Vectorised backwards that added into their samples' gradient buffers in place (every
     trained step of a sample after its first, when its rows come in the same chunks)."""
@@ -208,6 +211,8 @@ class StepStats:
         if self.gathered_bytes:
             lines.append(f"  regrouped rows: {self.gathered_bytes / 2**20:.2f} MiB gathered in "
                          f"{self.gather_seconds:.3f} s")
+        if self.reweight_unbatched:
+            lines.append(f"  per-row gradients one row at a time: {self.reweight_unbatched}")
         if self.unused_rows:
             lines.append(f"  never used: {self.unused_rows} kept rows "
                          f"({self.unused_bytes / 2**20:.2f} MiB), freed")
@@ -449,6 +454,7 @@ class _GraphRuntime:
         self.trainable_sources = [graphs.roles[i].source for i in self.params]
         self._at_one: tuple | None = None
         self._vmap_backward: fx.GraphModule | None = None
+        self._unbatchable_reason: str | None = None
         self._row_backwards: dict = {}
         self._inplace_matmuls = 0
         self._deferred_outputs: set[int] = set()
@@ -691,6 +697,9 @@ class _GraphRuntime:
                 for j in g.differentiable)
         backward = self._unreduced_backward if self.step.config.defer_reductions else \
             self._backward
+        if batched and self._unbatchable():
+            batched = False
+            state.stats.reweight_unbatched = self._unbatchable()
         if batched:
             chunk = self.rows_per_backward(kept)
             for start in range(0, len(kept.rows), chunk):
@@ -832,21 +841,22 @@ class _GraphRuntime:
     def _vmappable_backward(self) -> fx.GraphModule:
         """The aten backward graph with slice ends of "to the end" (``2**63 - 1``, which
         vmap's batching rules overflow) spelled as None, and ops without a batching rule
-        swapped for their twins with one (``runtime/vmap_ops.py``)."""
+        swapped for their twins with one (``runtime/vmap_ops.py``: attention's CPU backward,
+        sequence parallelism's all-to-alls)."""
         if self._vmap_backward is None:
             gm = copy.deepcopy(self.g.backward_aten)
             if self.step.config.defer_reductions:
                 found = find_gradient_reductions(gm)
-                if found.skipped:
+                stuck = [(n, why) for n, why in found.skipped if n not in found.compute]
+                if stuck:
                     raise NotImplementedError(
                         "reweight with deferred gradient reductions: the backward graph holds "
-                        "collectives that cannot be taken out of it: " + "; ".join(
-                            f"{n}: {why}" for n, why in found.skipped))
+                        "reductions that cannot be taken out of it: " + "; ".join(
+                            f"{n}: {why}" for n, why in stuck))
                 gm = take_out_reductions(gm, found)
                 self._deferred_outputs = {i for site in found.sites for i in site.outputs}
+            vmap_friendly(gm)
             for node in gm.graph.nodes:
-                if node.op == "call_function" and node.target in VMAP_REPLACEMENTS:
-                    node.target = VMAP_REPLACEMENTS[node.target]
                 if node.op == "call_function" and node.target in _SLICES:
                     args = list(node.args)
                     end = _SLICES[node.target]
@@ -856,6 +866,19 @@ class _GraphRuntime:
             gm.recompile()
             self._vmap_backward = gm
         return self._vmap_backward
+
+    def _unbatchable(self) -> str:
+        """Why the vectorised backward cannot take this graph ("" if it can): collectives
+        vmap has no rule for that would meet the rows' own saved tensors (they run once per
+        row instead)."""
+        if self._unbatchable_reason is None:
+            layouts = self.g.layouts["saved"]
+            batched = {n for n, k in enumerate(self.g.bw_saved)
+                       if layouts[k] is not None and layouts[k] != "symint"}
+            found = unbatchable_collectives(self._vmappable_backward(), batched)
+            self._unbatchable_reason = "" if not found else (
+                "the backward's collectives " + ", ".join(found) + " have no batching rule")
+        return self._unbatchable_reason
 
     def _vmapped_row_gradients(self, kept: _Kept, rows: list[int], q: int,
                                trainable: list, into: dict | None = None) -> dict | None:

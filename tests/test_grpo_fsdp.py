@@ -17,7 +17,7 @@ import torch.distributed as dist
 from leancompile.passes.gather_at_use import peak_gathered_bytes
 
 from grpo_reference import agreement, expected_syncs
-from models import ToyFlowPolicy, tiny_flux_policy
+from models import ToyFlowPolicy
 from ranks import from_rank, spawn
 
 
@@ -65,60 +65,53 @@ def _issued_reductions(graph) -> tuple[int, int]:
     return collectives, flash
 
 
-def _fsdp_worker(rank, world, init, out, kind):
+def _fsdp_worker(rank, world, init, out):
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     from leancompile.grpo.trainer import GRPOConfig, GRPOTrainer
 
-    if kind == "flux":
-        base = tiny_flux_policy()
-        conditions = base.example_conditions(1, generator=torch.Generator().manual_seed(1),
-                                             sequence_length=8)
-        config = GRPOConfig(sde="flow_grpo", eta=0.9, group_size=2, layout="shared")
-        # (Retain under fsdp on FLUX, its backward gathering again: tests/test_ulysses.py's
-        # (dp, sp) mesh, which saves this test a third compile)
-        cases = [("shared", s, {}) for s in ("recompute", "reweight")]
-    else:
-        base = ToyFlowPolicy()
-        conditions = base.example_conditions(world, generator=torch.Generator().manual_seed(1))
-        # One prompt group per rank (conventional), one row of every group per rank (shared),
-        # and the same trained steps for every sample: every rank makes the same calls.
-        config = GRPOConfig(sde="flow_grpo", eta=0.9, group_size=world,
-                            timestep_fraction=0.75)
-        cases = [(layout, s, {}) for layout in ("shared", "conventional", "scattered")
-                 for s in ("recompute", "retain", "reweight")]
-        # The KL term and global-std advantages on 2 ranks (LoRA and chunked updates there
-        # too); calls that differ across ranks on 4 (below).
-        cases += [("shared", "reweight", {"beta": 0.1}), ("shared", "retain", {"beta": 0.1}),
-                  ("shared", "reweight", {"global_std": True}),
-                  # one reduction for the whole update: the full-size gradient held to the end
-                  ("shared", "reweight", {"grad_sync": "update"}),
-                  # one collective per parameter, not bucketed
-                  ("shared", "retain", {"bucket_cap_mb": None}),
-                  # buckets of 1258 bytes: the parts (768 + 64, 512 + 16 bytes) gather in two,
-                  # the full gradients (1536, 128, 1024, 32) reduce in two or three
-                  ("shared", "retain", {"bucket_cap_mb": 0.0012}),
-                  # Inductor: its buckets' gradients accumulate over the trained steps'
-                  # backwards (no two parameters' gradients may share memory)
-                  ("shared", "retain", {"compiler": "inductor"})] if world == 2 else []
-        # FlashOverlap on the same graphs: the weight gathers feeding matmuls and the weight
-        # gradients feeding reduce-scatters become P2P schedules.
-        cases += [("shared", s, {"overlap": "flash"}) for s in ("recompute", "retain",
-                                                                 "reweight")]
-        # Calls that differ across ranks: DanceGRPO's per-sample trained steps, a rank
-        # without rows (one prompt group, conventional), worker groups of the shared layout
-        # with different numbers of prompts (group_size 2 < 4 ranks, 3 prompts). The ranks
-        # pad to the union of their calls with a stand-in row whose loss is times zero.
-        dance = {"sde": "dance_grpo", "eta": 0.3, "timestep_fraction": 0.5, "prompts": 3}
-        cases += [("shared", "retain", dance), ("shared", "reweight", dance),
-                  ("conventional", "retain", {"group_size": 2, "prompts": 1}),
-                  ("shared", "reweight", {"group_size": 2, "prompts": 3}),
-                  # Reweight reducing per round of prompt groups where ranks own unequal
-                  # numbers of groups: 5 prompts as 2+1+1+1 (two rounds, three ranks pad the
-                  # second), 3 prompts as 1+1+1+0 (rank 3 only pads)
-                  ("conventional", "reweight", {"group_size": 2, "prompts": 5}),
-                  ("conventional", "reweight", {"group_size": 2, "prompts": 3})] if world == 4 \
-            else []
+    # (FLUX under fsdp, every schedule: tests/test_ulysses.py's (dp, sp) mesh, sequence
+    # parallel too, which saves this file two FLUX compiles)
+    base = ToyFlowPolicy()
+    conditions = base.example_conditions(world, generator=torch.Generator().manual_seed(1))
+    # One prompt group per rank (conventional), one row of every group per rank (shared),
+    # and the same trained steps for every sample: every rank makes the same calls.
+    config = GRPOConfig(sde="flow_grpo", eta=0.9, group_size=world,
+                        timestep_fraction=0.75)
+    cases = [(layout, s, {}) for layout in ("shared", "conventional", "scattered")
+             for s in ("recompute", "retain", "reweight")]
+    # The KL term and global-std advantages on 2 ranks (LoRA and chunked updates there
+    # too); calls that differ across ranks on 4 (below).
+    cases += [("shared", "reweight", {"beta": 0.1}), ("shared", "retain", {"beta": 0.1}),
+              ("shared", "reweight", {"global_std": True}),
+              # one reduction for the whole update: the full-size gradient held to the end
+              ("shared", "reweight", {"grad_sync": "update"}),
+              # one collective per parameter, not bucketed
+              ("shared", "retain", {"bucket_cap_mb": None}),
+              # buckets of 1258 bytes: the parts (768 + 64, 512 + 16 bytes) gather in two,
+              # the full gradients (1536, 128, 1024, 32) reduce in two or three
+              ("shared", "retain", {"bucket_cap_mb": 0.0012}),
+              # Inductor: its buckets' gradients accumulate over the trained steps'
+              # backwards (no two parameters' gradients may share memory)
+              ("shared", "retain", {"compiler": "inductor"})] if world == 2 else []
+    # FlashOverlap on the same graphs: the weight gathers feeding matmuls and the weight
+    # gradients feeding reduce-scatters become P2P schedules.
+    cases += [("shared", s, {"overlap": "flash"}) for s in ("recompute", "retain",
+                                                             "reweight")]
+    # Calls that differ across ranks: DanceGRPO's per-sample trained steps, a rank
+    # without rows (one prompt group, conventional), worker groups of the shared layout
+    # with different numbers of prompts (group_size 2 < 4 ranks, 3 prompts). The ranks
+    # pad to the union of their calls with a stand-in row whose loss is times zero.
+    dance = {"sde": "dance_grpo", "eta": 0.3, "timestep_fraction": 0.5, "prompts": 3}
+    cases += [("shared", "retain", dance), ("shared", "reweight", dance),
+              ("conventional", "retain", {"group_size": 2, "prompts": 1}),
+              ("shared", "reweight", {"group_size": 2, "prompts": 3}),
+              # Reweight reducing per round of prompt groups where ranks own unequal
+              # numbers of groups: 5 prompts as 2+1+1+1 (two rounds, three ranks pad the
+              # second), 3 prompts as 1+1+1+0 (rank 3 only pads)
+              ("conventional", "reweight", {"group_size": 2, "prompts": 5}),
+              ("conventional", "reweight", {"group_size": 2, "prompts": 3})] if world == 4 \
+        else []
     shapes = {n: tuple(p.shape) for n, p in base.named_parameters()}
     results = []
     # One policy for the single-process references and one the first fsdp trainer shards;
@@ -199,44 +192,43 @@ def _fsdp_worker(rank, world, init, out, kind):
             "explained_peak": explained.gathered_peak,
             "rewards": float((got.rollout.rewards - ref_rewards).abs().max())})
     report = {"results": results}
-    if kind == "toy":
-        # An optimizer built on the full parameters before the trainer: the trainer points it
-        # at the shards; one step equals the single-process step.
-        # (clipping at a norm the gradient exceeds: the norm is over every rank's parts)
-        cfg = dataclasses.replace(config, layout="shared", schedule="retain",
-                                  max_grad_norm=1e-3)
-        def single_step():
-            policy = copy.deepcopy(base)
-            GRPOTrainer(policy, mean_latent_reward,
-                        torch.optim.AdamW(policy.parameters(), lr=1e-2), cfg).step(
-                conditions, torch.Generator().manual_seed(9))
-            return {n: p.detach() for n, p in policy.named_parameters()}
-
-        stepped = from_rank(rank, 0, single_step)
+    # An optimizer built on the full parameters before the trainer: the trainer points it
+    # at the shards; one step equals the single-process step.
+    # (clipping at a norm the gradient exceeds: the norm is over every rank's parts)
+    cfg = dataclasses.replace(config, layout="shared", schedule="retain",
+                              max_grad_norm=1e-3)
+    def single_step():
         policy = copy.deepcopy(base)
-        sharded = GRPOTrainer(policy, mean_latent_reward,
-                              torch.optim.AdamW(policy.parameters(), lr=1e-2), cfg,
-                              parallel="fsdp")
-        sharded.step(conditions, torch.Generator().manual_seed(9))
-        after = _full({n: p.detach() for n, p in policy.named_parameters()}, shapes, world)
-        _, report["step_rel"] = agreement(after, stepped)
-        views = sharded.sharding.dtensors(policy)
-        report["dtensor_shapes_ok"] = all(tuple(v.shape) == shapes[n] for n, v in views.items())
-        # Checkpoint (parts through torch.distributed.checkpoint, optimizer state per rank),
-        # one more step; resumed into a fresh policy and optimizer, the same step again.
-        run_dir = os.path.join(out, "run")
-        sharded.save(run_dir)
-        sharded.step(conditions, torch.Generator().manual_seed(10))
-        first = _full({n: p.detach() for n, p in policy.named_parameters()}, shapes, world)
-        fresh = copy.deepcopy(base)
-        resumed = GRPOTrainer.load(run_dir, fresh, mean_latent_reward,
-                                   torch.optim.AdamW(fresh.parameters(), lr=1e-2),
-                                   parallel="fsdp")
-        resumed.step(conditions, torch.Generator().manual_seed(10))
-        again = _full({n: p.detach() for n, p in fresh.named_parameters()}, shapes, world)
-        report["resume_equal"] = all(torch.equal(first[n], again[n]) for n in shapes)
-        report["resume_step"] = resumed.step_count
-    if kind == "toy" and world == 2:
+        GRPOTrainer(policy, mean_latent_reward,
+                    torch.optim.AdamW(policy.parameters(), lr=1e-2), cfg).step(
+            conditions, torch.Generator().manual_seed(9))
+        return {n: p.detach() for n, p in policy.named_parameters()}
+
+    stepped = from_rank(rank, 0, single_step)
+    policy = copy.deepcopy(base)
+    sharded = GRPOTrainer(policy, mean_latent_reward,
+                          torch.optim.AdamW(policy.parameters(), lr=1e-2), cfg,
+                          parallel="fsdp")
+    sharded.step(conditions, torch.Generator().manual_seed(9))
+    after = _full({n: p.detach() for n, p in policy.named_parameters()}, shapes, world)
+    _, report["step_rel"] = agreement(after, stepped)
+    views = sharded.sharding.dtensors(policy)
+    report["dtensor_shapes_ok"] = all(tuple(v.shape) == shapes[n] for n, v in views.items())
+    # Checkpoint (parts through torch.distributed.checkpoint, optimizer state per rank),
+    # one more step; resumed into a fresh policy and optimizer, the same step again.
+    run_dir = os.path.join(out, "run")
+    sharded.save(run_dir)
+    sharded.step(conditions, torch.Generator().manual_seed(10))
+    first = _full({n: p.detach() for n, p in policy.named_parameters()}, shapes, world)
+    fresh = copy.deepcopy(base)
+    resumed = GRPOTrainer.load(run_dir, fresh, mean_latent_reward,
+                               torch.optim.AdamW(fresh.parameters(), lr=1e-2),
+                               parallel="fsdp")
+    resumed.step(conditions, torch.Generator().manual_seed(10))
+    again = _full({n: p.detach() for n, p in fresh.named_parameters()}, shapes, world)
+    report["resume_equal"] = all(torch.equal(first[n], again[n]) for n in shapes)
+    report["resume_step"] = resumed.step_count
+    if world == 2:
         # Two chunks per rollout: each update counts its own backward graphs' reductions.
         pending = trainer.rollout(conditions, torch.Generator().manual_seed(5), chunks=2,
                                   schedule="retain")
@@ -304,8 +296,8 @@ def _fsdp_worker(rank, world, init, out, kind):
     dist.destroy_process_group()
 
 
-def _run(tmp_path, world, kind):
-    spawn(_fsdp_worker, args=(world, str(tmp_path / "init"), str(tmp_path), kind),
+def _run(tmp_path, world):
+    spawn(_fsdp_worker, args=(world, str(tmp_path / "init"), str(tmp_path)),
           nprocs=world, join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -364,7 +356,7 @@ def _check(ranks):
 
 
 def test_fsdp_four_ranks_every_layout_and_schedule_equals_one_process(tmp_path):
-    ranks = _run(tmp_path, 4, "toy")
+    ranks = _run(tmp_path, 4)
     _check(ranks)
     for report in ranks:
         assert report["step_rel"] <= 1e-6, report["step_rel"]
@@ -373,7 +365,7 @@ def test_fsdp_four_ranks_every_layout_and_schedule_equals_one_process(tmp_path):
 
 
 def test_fsdp_two_ranks_toy_every_layout_and_schedule_equals_one_process(tmp_path):
-    ranks = _run(tmp_path, 2, "toy")
+    ranks = _run(tmp_path, 2)
     _check(ranks)
     for report in ranks:
         assert report["step_rel"] <= 1e-6 and report["resume_equal"], report
@@ -393,9 +385,6 @@ def test_fsdp_two_ranks_toy_every_layout_and_schedule_equals_one_process(tmp_pat
         assert report["lora_kl"][1] > 0 and abs(report["lora_kl"][0] - report["lora_kl"][1]) \
             <= 1e-6 * report["lora_kl"][1], report["lora_kl"]
 
-
-def test_fsdp_two_ranks_tiny_flux_equals_one_process(tmp_path):
-    _check(_run(tmp_path, 2, "flux"))
 
 
 def test_sharding_keeps_tied_parameters_tied_and_refuses_0_dim_before_changing_anything():

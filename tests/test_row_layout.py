@@ -53,3 +53,36 @@ def test_a_fill_fits_the_layout_it_is_combined_with():
 
     (out,) = _layouts(rope, (4, 3, 2))
     assert out == RowLayout(2, 1)
+
+
+def test_the_batch_moved_behind_a_dim_of_pieces_and_back():
+    """Sequence parallelism's spellings (without the collectives, which need a group; the
+    2-rank GRPO test in test_ulysses.py runs them): a permute that moves the batch to dim 1
+    behind the pieces, a split and a cat of whole pieces, and the permute back."""
+    def gather_tokens(x):                                       # [B, S, D]
+        pieces = x.movedim(1, 0).contiguous()                   # [S, B, D]: rows in dim 1
+        parts = list(pieces.chunk(2, 0))
+        return torch.cat(parts[::-1], 0).movedim(0, 1)
+
+    def heads(x):                                               # [B, S, 2, H/2, D]
+        pieces = x.permute(2, 0, 1, 3, 4)                       # [2, B, S, H/2, D]
+        return pieces[1:].clone().permute(1, 0, 2, 3, 4)
+
+    (gathered,) = _layouts(gather_tokens, (4, 6, 3))
+    assert gathered == RowLayout(1, 1)
+    (half,) = _layouts(heads, (5, 6, 2, 4, 3))
+    assert half == RowLayout(1, 1)
+
+
+def test_the_batch_behind_a_dim_of_pieces_is_mixed_when_rows_meet_or_it_stays_there():
+    def reduced(x):
+        return x.movedim(1, 0).sum(1), x.movedim(1, 0).clone()
+
+    def batch_first_behind_a_symbolic_dim(x):
+        return x.permute(1, 0, 2).permute(0, 2, 1).permute(2, 1, 0)
+
+    summed, left = _layouts(reduced, (4, 6))
+    assert isinstance(summed, Mixed) and isinstance(left, Mixed)
+    assert "outside dim 0" in left.reason
+    (moved,) = _layouts(batch_first_behind_a_symbolic_dim, (4, 6, 3))
+    assert isinstance(moved, Mixed)

@@ -232,16 +232,14 @@ def _grpo(rank, world, out_dir):
     sp = parallelize_ulysses(policy.transformer)
     trainer = GRPOTrainer(policy, mean_latent_reward, None, config)
     out = {}
-    for schedule, ref in refs.items():
+    # Reweight's per-row backward is vmapped, the all-to-alls of its backward included.
+    for schedule, ref in [*refs.items(), ("reweight", refs["recompute"])]:
         got = trainer.compute_gradients(conditions, torch.Generator().manual_seed(5),
                                         schedule=schedule)
         out[schedule] = {"rel": agreement(got.grads, ref)[1], "schedule": got.schedule,
-                         "syncs": got.sync_collectives}
-    try:
-        GRPOTrainer(policy, mean_latent_reward, None,
-                    GRPOConfig(sde="flow_grpo", eta=0.9, group_size=2, schedule="reweight"))
-    except ValueError as err:
-        out["reweight"] = str(err)
+                         "syncs": got.sync_collectives, "rows_per_backward": max(
+                             s.stats.reweight_rows_per_backward
+                             for s in trainer._steps.values())}
     # Every rank saves into one run folder (as a user's loop would): one rank writes.
     trainer.optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
     saved = trainer.save(os.path.join(out_dir, "run"))
@@ -303,13 +301,14 @@ def _grpo_mesh(rank, world, out_dir):
     # themselves, and it learns of the mismatch instead of waiting for its peers).
     try:
         trainer.compute_gradients(conditions, torch.Generator().manual_seed(
-            5 + (rank == world - 1)), schedule="retain")
+            5 + (rank == world - 1)), schedule="recompute")
     except RankMismatchError as err:
         out["seed"] = str(err)
-    # retain, then auto on a mesh whose last rank has no memory to spare: every rank must run
-    # recompute (a rank running retain while a peer recomputes would wait forever).
-    for schedule in ("retain", "auto"):
-        if schedule == "auto" and rank == world - 1:
+    # auto on a mesh whose last rank has no memory to spare: every rank must run recompute (a
+    # rank running retain while a peer recomputes would wait forever). (Retain and Reweight
+    # run on this mesh under fsdp below.)
+    for schedule in ("auto",):
+        if rank == world - 1:
             trainer._budget_bytes = lambda device: 1
         got = trainer.compute_gradients(conditions, torch.Generator().manual_seed(5),
                                         schedule=schedule)
@@ -329,21 +328,27 @@ def _grpo_mesh(rank, world, out_dir):
     retain = dataclasses.replace(config, schedule="retain")  # (auto would capture twice)
     fsdp = GRPOTrainer(policy, mean_latent_reward, torch.optim.SGD(policy.parameters(), lr=0.1),
                        retain, parallel="fsdp", process_group=dp)
-    predicted = fsdp.explain(conditions, torch.Generator().manual_seed(5),
-                             schedule="retain").gradient_sync["retain"]
-    got = fsdp.compute_gradients(conditions, torch.Generator().manual_seed(5),
-                                 schedule="retain")
-    full = {}
-    for n, g in got.grads.items():
-        parts = [torch.empty_like(g) for _ in range(2)]
-        dist.all_gather(parts, g.contiguous(), group=dp)
-        full[n] = torch.cat(parts)[:shapes[n][0]]
-    backward = fsdp.lean_step(list(conditions), None, fsdp._regathers("retain")).graphs[0]
-    out["fsdp"] = {"backward_gathers": sum("all_gather_into_tensor" in str(n.target) for n in
-                                           backward.backward_aten.graph.nodes),
-                   "rel": agreement(full, ref)[1], "sharded": any(
-        tuple(p.shape) != shapes[n] for n, p in policy.named_parameters()),
-        "syncs": [got.sync_collectives, got.sync_bytes], "predicted": list(predicted)}
+    # Reweight: the reduce-scatters come out of its per-row backward (one per update), the
+    # all-to-alls stay in, vmapped; recompute runs Reweight's graphs.
+    out["fsdp"] = {"sharded": any(tuple(p.shape) != shapes[n]
+                                  for n, p in policy.named_parameters())}
+    for schedule in ("retain", "reweight", "recompute"):
+        predicted = fsdp.explain(conditions, torch.Generator().manual_seed(5),
+                                 schedule=schedule).gradient_sync[schedule]
+        got = fsdp.compute_gradients(conditions, torch.Generator().manual_seed(5),
+                                     schedule=schedule)
+        full = {}
+        for n, g in got.grads.items():
+            parts = [torch.empty_like(g) for _ in range(2)]
+            dist.all_gather(parts, g.contiguous(), group=dp)
+            full[n] = torch.cat(parts)[:shapes[n][0]]
+        lean = fsdp.lean_step(list(conditions), None, fsdp._regathers(schedule))
+        out["fsdp"][schedule] = {
+            "schedule": got.schedule, "rel": agreement(full, ref)[1],
+            "syncs": [got.sync_collectives, got.sync_bytes], "predicted": list(predicted),
+            "backward_gathers": sum("all_gather_into_tensor" in str(n.target) for n in
+                                    lean.graphs[0].backward_aten.graph.nodes),
+            "rows_per_backward": lean.stats.reweight_rows_per_backward}
     fsdp.step(conditions, torch.Generator().manual_seed(6))
     saved = fsdp.save(os.path.join(out_dir, "mesh_fsdp"))
     stepped = {n: p.detach().clone() for n, p in policy.named_parameters()}
@@ -422,11 +427,11 @@ def test_two_ranks(tmp_path):
     assert "7 tokens, not divisible by the 2 ranks" in skips["tokens"]
     for rank, rec in enumerate(records):
         grpo = rec["grpo"]
-        for schedule in ("recompute", "retain"):
+        for schedule in ("recompute", "retain", "reweight"):
             assert grpo[schedule]["schedule"] == schedule
             assert grpo[schedule]["rel"] <= 1e-5, (rank, grpo)
             assert grpo[schedule]["syncs"] == 1, grpo  # the sum over the group, once
-        assert "vmap" in grpo["reweight"]
+        assert grpo["reweight"]["rows_per_backward"] == 2, grpo  # both samples in one
         assert grpo["saved"] == ["latest", "step_00000000"], grpo["saved"]
 
 
@@ -441,12 +446,19 @@ def test_four_ranks(tmp_path):
         assert "position in their sequence-parallel groups" in mesh["crossed"], mesh
         assert ("another rank" if rank == 0 else "generator seed") in mesh["seed"], mesh
         fsdp = mesh["fsdp"]
-        assert fsdp["sharded"] and fsdp["rel"] <= 1e-5, (rank, fsdp)
-        assert fsdp["backward_gathers"] > 0, fsdp  # Retain gathers the parts again
-        # each trained step's reduce-scatter over dp, then one sum of the parts over sp
-        assert fsdp["syncs"] == fsdp["predicted"] and fsdp["syncs"][0] > 1, fsdp
-        assert fsdp["resumed"], fsdp
-        for schedule, ran in (("retain", "retain"), ("auto", "recompute")):
+        assert fsdp["sharded"] and fsdp["resumed"], (rank, fsdp)
+        for schedule in ("retain", "reweight", "recompute"):
+            got = fsdp[schedule]
+            assert got["schedule"] == schedule and got["rel"] <= 1e-5, (rank, schedule, got)
+            assert got["syncs"] == got["predicted"], (rank, schedule, got)
+            # Retain's backward gathers the parts again; the others' read what the forward
+            # gathered
+            assert (got["backward_gathers"] > 0) == (schedule == "retain"), (schedule, got)
+        # recompute and retain: each trained step's reduce-scatter over dp, then one sum of
+        # the parts over sp; reweight: one reduce-scatter per update, then the sum
+        assert fsdp["retain"]["syncs"][0] > 2 and fsdp["reweight"]["syncs"][0] == 2, fsdp
+        assert fsdp["reweight"]["rows_per_backward"] == 2, fsdp  # both rows in one backward
+        for schedule, ran in (("auto", "recompute"),):
             got = mesh[schedule]
             # auto: the last rank's budget fits nothing but recompute, on every rank
             assert got["schedule"] == ran and got["rel"] <= 1e-5, (rank, schedule, got)

@@ -29,8 +29,7 @@ the process group (gloo on CPU, NCCL when CUDA is available), trains with
 seeds and the numbers match one process up to summation order. ``sp=S`` (``leancompile demo
 grpo --sp-size S``; ``--sp`` alone: 2) makes the transformer Ulysses sequence parallel over
 groups of ``S`` ranks (``parallelize_ulysses``) and runs data parallelism over the ``N / S``
-groups: a ``(dp, sp)`` mesh, as DanceGRPO's ``sp_size``. Reweight is left out then (it cannot
-batch the all-to-alls).
+groups: a ``(dp, sp)`` mesh, as DanceGRPO's ``sp_size``.
 """
 
 from __future__ import annotations
@@ -261,13 +260,11 @@ def _run(*, out, steps, prompts, group_size, lr, num_inference_steps, rounds, sp
     elif parallel:
         print(f"data parallel: {dist.get_world_size()} ranks ({dist.get_backend()}), layout "
               f"{config.layout!r}, one gradient all-reduce per update")
-    names = ("recompute", "retain") if sp_group is not None else (
-        "recompute", "retain", "reweight")
+    names = ("recompute", "retain", "reweight")
     one_prompt = policy.example_conditions(1, torch.Generator().manual_seed(1),
                                            sequence_length=16)
 
-    print(f"== 1. the {'two' if len(names) == 2 else 'three'} schedules on one rollout "
-          "(same seeds)")
+    print("== 1. the three schedules on one rollout (same seeds)")
     print(trainer.explain(one_prompt, torch.Generator().manual_seed(0)))
     results = {}
     for name in _progress(names, "capture + warm-up", quiet=quiet):
@@ -345,9 +342,8 @@ def _run(*, out, steps, prompts, group_size, lr, num_inference_steps, rounds, sp
         mark = "  <- auto's choice" if name == used else ""
         print(f"{name:10s} {median:9.3f} {least:7.3f} {base[0] / median:8.2f}x "
               f"{base[1] / least:8.2f}x {cos:11.8f} {rel:9.2e}{mark}")
-    ok = agreement["retain"][1] <= 1e-6 and agreement.get("reweight", (1, 0))[1] <= 1e-5
-    print("gradients agree with recompute (retain rel L2 <= 1e-6"
-          + (", reweight <= 1e-5):" if "reweight" in agreement else "):"),
+    ok = agreement["retain"][1] <= 1e-6 and agreement["reweight"][1] <= 1e-5
+    print("gradients agree with recompute (retain rel L2 <= 1e-6, reweight <= 1e-5):",
           "yes" if ok else "NO")
     print(f"mean reward rose by more than 5 SE of step 1's mean: {'yes' if risen else 'NO'}")
     return 0 if ok and risen else 1

@@ -335,12 +335,6 @@ class GRPOTrainer:
         on (config, conditions, schedule, memory budget) is checked and agreed over all."""
         if self.sequence_parallel is not None:
             self._check_mesh(parallel)
-            if config.schedule == "reweight":
-                raise ValueError(
-                    "schedule='reweight' with a sequence-parallel policy: Reweight's per-sample "
-                    "gradients batch the step's backward graph with vmap, which cannot batch "
-                    "its all-to-alls. Use schedule='retain', 'recompute' or 'auto' (which then "
-                    "chooses between those two).")
         self.step_count = 0
         """Optimizer steps taken by ``step`` (saved and restored by checkpoints)."""
         if self.ranks.distributed:
@@ -605,10 +599,6 @@ class GRPOTrainer:
         plans, graph = plans_for(None, regather and schedule == "retain")
         if regather and schedule == "auto":
             plans["retain"] = plans_for(None, True)[0]["retain"]
-        if self.sequence_parallel is not None:
-            plans["reweight"] = dataclasses.replace(
-                plans["reweight"], fits=False, seconds=None,
-                note="not with a sequence-parallel policy (vmap cannot batch all-to-alls)")
         if graph.random_ops and schedule != "recompute":
             dropouts = [f"{name} ({type(m).__name__}, p={m.p})"
                         for name, m in self.policy.named_modules()
@@ -774,11 +764,15 @@ class GRPOTrainer:
             out = {"recompute": (count * trained_steps + summed[0],
                                  nbytes * trained_steps + summed[1])}
             out["retain"] = out["recompute"]
+            # (each round's reduction is the others': reduce-scatters, then the sum)
+            out["reweight"] = (max(rounds, 1) * (buckets + summed[0]),
+                               max(rounds, 1) * (full + summed[1]))
         else:  # one all-reduce of every gradient per update (Reweight: per round)
             full = sum(p.numel() * p.element_size() for p in grads)
             out = {"recompute": (groups * buckets, groups * full),
-                   "retain": (groups * buckets, groups * full)}
-        out["reweight"] = (max(rounds, 1) * buckets * groups, max(rounds, 1) * full * groups)
+                   "retain": (groups * buckets, groups * full),
+                   "reweight": (max(rounds, 1) * buckets * groups,
+                                max(rounds, 1) * full * groups)}
         cfg = self.config
         kinds = [f"{'fsdp' if self.sharding is not None else 'ddp'} over {par.world_size} "
                  "ranks"] if par.distributed else []

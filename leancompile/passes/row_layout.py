@@ -69,14 +69,30 @@ class Mixed:
 
 @dataclass(frozen=True)
 class _Lifted:
-    """A tensor with ``blocks`` (a static count) in dim 0 and rows laid out as ``base`` in dim
-    1: ``x.unsqueeze(0)`` on the way to ``cat([x, x])`` spelled as decompositions spell it
-    (``unsqueeze(x, 0) -> expand(k, ...) -> clone -> view(k * dim0, ...)``, e.g. classifier-free
-    guidance doubling the latents). Only an expand, a clone or a view that merges dims 0 and 1
-    may read it (the view gives ``RowLayout(blocks * base.outer, base.inner)``); anything else
-    is ``Mixed``. Never a graph output's layout."""
+    """A tensor with ``blocks`` (a size without the batch) in dim 0 and rows laid out as
+    ``base`` in dim 1. Two spellings make one:
 
-    blocks: int
+    - ``x.unsqueeze(0)`` on the way to ``cat([x, x])`` as decompositions spell it
+      (``unsqueeze(x, 0) -> expand(k, ...) -> clone -> view(k * dim0, ...)``, e.g.
+      classifier-free guidance doubling the latents);
+    - a permute that moves the batch to dim 1 behind a dim of pieces, on the way to a
+      collective over dim 0 and back: Ulysses sequence parallelism's
+      ``[B, S/N, N, H/N, D] -> [N, B, S/N, H/N, D] -> all_to_all -> permute back``, and the
+      gather of the output tokens (``movedim(1, 0) -> all_gather -> chunk, cat -> movedim``).
+
+    What may read it keeps the rows in dim 1: an expand of dim 0, a clone; a collective over
+    dim 0 (all-to-all, all-gather, their wait), a split, slice or cat along dim 0 (``blocks``
+    changes); a permute that keeps dims 0 and 1, or brings dim 1 back to dim 0 (``base``
+    again); a view that merges dims 0 and 1 (``RowLayout(blocks * base.outer, base.inner)``).
+    Anything else is ``Mixed``, and so is a graph output or saved tensor left in this layout.
+
+    A collective is row by row only when every rank of its group holds the same rows in the
+    same order, as the ranks of a sequence-parallel group do (they run the same samples on
+    their own tokens); the per-row backward then exchanges each row's pieces with the same
+    row of the other ranks, as the whole-batch backward does."""
+
+    blocks: object
+    """An int, or a sympy expression without the batch symbol."""
     base: RowLayout
 
 
@@ -102,6 +118,18 @@ _BATCH_MIXING = {aten._native_batch_norm_legit_functional.default,
                  aten.index_put.default, aten.arange.default,
                  aten.arange.start, aten.arange.start_step, aten.randperm.default}
 _LOOKUPS = {aten.index.Tensor, aten.index_select.default, aten.embedding.default}
+_PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
+
+
+def _collectives():
+    """Functional collectives over dim 0 that a ``_Lifted`` tensor may pass: (exchange or
+    gather ops, their wait)."""
+    ops = getattr(torch.ops, "_c10d_functional", None)
+    if ops is None:
+        return (), ()
+    return (ops.all_to_all_single.default, ops.all_gather_into_tensor.default), \
+        (ops.wait_tensor.default,)
 _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
             aten.baddbmm.default: (1, 2)}
 
@@ -202,6 +230,11 @@ class _Analysis:
                 layouts and isinstance(layouts[0], RowLayout) and \
                 _norm(node.args[1], val.dim()) == 0:
             return _Lifted(1, layouts[0])
+        if node.target in _PERMUTES and layouts and isinstance(layouts[0], RowLayout):
+            order = _permutation(node)
+            if len(order) > 1 and order[1] == 0 and not _has(val.shape[0], self.symbol) and \
+                    not any(_has(d, self.symbol) for d in val.shape[2:]):
+                return _Lifted(_static(val.shape[0]), layouts[0])
         if node.target is operator.getitem:
             source = self.state.get(node.args[0])
             if isinstance(source, tuple):
@@ -288,15 +321,8 @@ class _Analysis:
             return Mixed(f"{_name(node)} works along dim 0, the batch")
         if target in _VIEWS:
             return self.reshape(node, first, val)
-        if target in (aten.permute.default, aten.transpose.int, aten.t.default):
-            dims = (list(node.args[1]) if target is aten.permute.default else
-                    [1, 0] if target is aten.t.default else None)
-            if target is aten.transpose.int:
-                ndim = len(_val(node.args[0]).shape)
-                a, b = (_norm(d, ndim) for d in node.args[1:3])
-                moved = 0 in (a, b) and a != b
-            else:
-                moved = _norm(dims[0], len(dims)) != 0
+        if target in _PERMUTES:
+            moved = _permutation(node)[0] != 0
             return Mixed(f"{_name(node)} moves the batch out of dim 0") if moved else first
         if target is aten.slice.Tensor:
             return self.slice(node, first)
@@ -339,19 +365,46 @@ class _Analysis:
     def lifted(self, node, source, count: int):
         """An op reading a ``_Lifted`` tensor (see there); ``count``: its tensor inputs."""
         lay, src, val = self.state[source], _val(source), _val(node)
+        target = node.target
         outside = Mixed(f"{_name(node)}: the batch is outside dim 0 (shape {tuple(src.shape)})")
-        if count != 1 or not isinstance(val, torch.Tensor):
-            return outside
         same = (lambda a, b: len(a) == len(b) and all(
             sympy.simplify(_expr(x) - _expr(y)) == 0 for x, y in zip(a, b)))
-        if node.target is aten.expand.default:
-            if isinstance(val.shape[0], int) and same(val.shape[1:], src.shape[1:]):
-                return _Lifted(val.shape[0], lay.base)
+        exchanges, waits = _collectives()
+        if target in _SPLITS and count == 1 and isinstance(val, (tuple, list)):
+            dim = _norm(_arg(node, 1, "dim", 0) if target is aten.unbind.int
+                        else _arg(node, 2, "dim", 0), src.dim())
+            if target is aten.unbind.int or dim == 1:
+                return outside
+            return tuple(_Lifted(_static(v.shape[0]) if dim == 0 else lay.blocks, lay.base)
+                         for v in val)
+        if target is aten.cat.default:
+            tensors = list(node.args[0])
+            layouts = [self.state.get(t) for t in tensors]
+            if _norm(_arg(node, 1, "dim", 0), src.dim()) == 0 and all(
+                    isinstance(other, _Lifted) and other.base == lay.base and
+                    same(_val(t).shape[1:], src.shape[1:]) for t, other in zip(tensors, layouts)):
+                return _Lifted(_static(val.shape[0]), lay.base)
             return outside
-        if node.target in (aten.clone.default, aten.contiguous.default):
+        if count != 1 or not isinstance(val, torch.Tensor):
+            return outside
+        if target is aten.expand.default:
+            if not _has(val.shape[0], self.symbol) and same(val.shape[1:], src.shape[1:]):
+                return _Lifted(_static(val.shape[0]), lay.base)
+            return outside
+        if target in (aten.clone.default, aten.contiguous.default) or target in waits:
             return lay
-        if node.target in _VIEWS and val.dim() == src.dim() - 1 and \
-                same(val.shape[1:], src.shape[2:]) and \
+        if target in exchanges or (target is aten.slice.Tensor and _norm(
+                _arg(node, 1, "dim", 0), src.dim()) == 0):
+            # Whole pieces of dim 0 move (between ranks, or out of a slice); dim 1 stays.
+            return _Lifted(_static(val.shape[0]), lay.base) if same(
+                val.shape[1:], src.shape[1:]) else outside
+        if target in _PERMUTES:
+            order = _permutation(node)
+            if order[0] == 1 and not any(_has(d, self.symbol) for d in val.shape[1:]):
+                return lay.base
+            return lay if order[:2] == [0, 1] else outside
+        if target in _VIEWS and val.dim() == src.dim() - 1 and \
+                isinstance(lay.blocks, int) and same(val.shape[1:], src.shape[2:]) and \
                 sympy.simplify(_expr(val.shape[0]) - lay.blocks * _expr(src.shape[1])) == 0:
             return RowLayout(lay.blocks * lay.base.outer, lay.base.inner)
         return outside
@@ -433,6 +486,25 @@ class _Analysis:
         if len(inner) != 1:
             return Mixed(f"{_name(node)} joins blocks of different row counts")
         return RowLayout(sum(lay.outer for lay in layouts), inner.pop())
+
+
+def _permutation(node: fx.Node) -> list[int]:
+    """The source dim of each output dim of a permute, transpose or ``t``."""
+    ndim = len(_val(node.args[0]).shape)
+    if node.target is aten.permute.default:
+        return [_norm(d, ndim) for d in node.args[1]]
+    order = list(range(ndim))
+    if node.target is aten.t.default:
+        return order[::-1]
+    a, b = (_norm(d, ndim) for d in node.args[1:3])
+    order[a], order[b] = order[b], order[a]
+    return order
+
+
+def _static(size):
+    """A size as an int when it is one, else its sympy expression."""
+    expr = _expr(size)
+    return int(expr) if expr.is_Integer else expr
 
 
 def _dim0_of(val):

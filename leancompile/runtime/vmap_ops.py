@@ -15,6 +15,28 @@ Before (a batch-1 backward graph, vmapped over R rows: R calls)::
 After (``vmap_friendly`` swaps the target; under vmap: one call of batch R)::
 
     gq, gk, gv = leancompile.sdpa_cpu_backward(g_out, q, k, v, out, lse, 0.0, False, scale=s)
+
+Collectives have no batching rule either, and vmap does not loop over them: it runs a
+functional all-to-all once on the batched tensor's storage, rows and pieces interleaved, and
+the gradients come out wrong (NaN in a probe). Ulysses sequence parallelism puts one in the
+backward graph of every attention (the transpose of each forward all-to-all), exchanging
+``[N, B, s, H/N, D]`` pieces over dim 0. ``leancompile::all_to_all_single`` is the all-to-all
+and its wait in one op, with a rule: the vmapped dim moves behind dim 0, so each piece of dim
+0 carries all the rows, one collective for all of them::
+
+    Before (per row: [N, 1, s, H/N, D], R rows: no rule, wrong values)::
+
+        x = _c10d_functional.all_to_all_single(t, None, None, "group")
+        y = _c10d_functional.wait_tensor(x)
+
+    After (``vmap_friendly``; under vmap: one all-to-all of [N, R, 1, s, H/N, D])::
+
+        y = leancompile.all_to_all_single(t, None, None, "group")
+
+It is exact because every rank of the group vmaps the same rows in the same order (the ranks
+of a sequence-parallel group run the same samples): row r's piece goes to row r of each peer,
+as in the per-row backward. Other collectives stay as they are; ``batchable_collectives`` says
+whether a graph has any that would meet batched values.
 """
 
 from __future__ import annotations
@@ -22,7 +44,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["VMAP_REPLACEMENTS"]
+__all__ = ["VMAP_REPLACEMENTS", "vmap_friendly", "unbatchable_collectives"]
 
 _aten = torch.ops.aten
 
@@ -70,8 +92,84 @@ def _(info, in_dims, grad_out, query, key, value, out, logsumexp, dropout_p, is_
     return tuple(g.reshape(rows, batch, *g.shape[1:]) for g in grads), (0, 0, 0)
 
 
+_funcol = torch.ops._c10d_functional
+
+
+@torch.library.custom_op("leancompile::all_to_all_single", mutates_args=())
+def all_to_all_single(input: Tensor, output_split_sizes: list[int] | None,
+                      input_split_sizes: list[int] | None, group_name: str) -> Tensor:
+    out = _funcol.all_to_all_single(input, output_split_sizes, input_split_sizes, group_name)
+    return _funcol.wait_tensor(out)
+
+
+@all_to_all_single.register_fake
+def _(input, output_split_sizes, input_split_sizes, group_name):
+    if output_split_sizes is None:
+        return torch.empty_like(input)
+    return input.new_empty((sum(output_split_sizes), *input.shape[1:]))
+
+
+@all_to_all_single.register_vmap
+def _(info, in_dims, input, output_split_sizes, input_split_sizes, group_name):
+    dim = in_dims[0]
+    if dim is None:  # the same for every row: one exchange
+        return all_to_all_single(input, output_split_sizes, input_split_sizes, group_name), None
+    # [N, rows, ...]: piece j of dim 0 holds every row's piece j; the split sizes count
+    # entries of dim 0, which keeps its size.
+    pieces = input.movedim(dim, 1).contiguous()
+    out = _funcol.all_to_all_single(pieces, output_split_sizes, input_split_sizes, group_name)
+    return _funcol.wait_tensor(out), 1
+
+
 VMAP_REPLACEMENTS = {
     _aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
         torch.ops.leancompile.sdpa_cpu_backward.default,
 }
 """aten op -> the same op with a batching rule (same arguments)."""
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
+
+
+def _is_collective(node) -> bool:
+    target = node.target
+    namespace = getattr(target, "namespace", None)
+    if namespace is None and hasattr(target, "_schema"):
+        namespace = target._schema.name.split("::")[0]
+    return namespace in _COLLECTIVE_NAMESPACES or (
+        namespace == "leancompile" and "p2p" in str(target))
+
+
+def vmap_friendly(gm) -> None:
+    """Swap, in place, the ops of ``gm`` that vmap cannot batch for their twins with a rule
+    (``VMAP_REPLACEMENTS``, and a functional all-to-all with its single wait for
+    ``leancompile::all_to_all_single``)."""
+    waits = (_funcol.wait_tensor.default,)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in VMAP_REPLACEMENTS:
+            node.target = VMAP_REPLACEMENTS[node.target]
+        elif node.target is _funcol.all_to_all_single.default and len(node.users) == 1 and \
+                next(iter(node.users)).target in waits:
+            wait = next(iter(node.users))
+            node.target = torch.ops.leancompile.all_to_all_single.default
+            wait.replace_all_uses_with(node)
+            gm.graph.erase_node(wait)
+    gm.recompile()
+
+
+def unbatchable_collectives(gm, batched_inputs: set[int]) -> list[str]:
+    """The collectives of ``gm`` (after ``vmap_friendly``) that would meet a batched value
+    under vmap: those reached from the placeholders at ``batched_inputs``. vmap has no rule
+    for them; a caller runs such a graph once per row instead."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    reached = {placeholders[i] for i in batched_inputs if i < len(placeholders)}
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or not any(a in reached for a in node.all_input_nodes):
+            continue
+        reached.add(node)
+        if node.op == "call_function" and _is_collective(node) and \
+                node.target is not torch.ops.leancompile.all_to_all_single.default:
+            found.append(f"{node.target} at {node.name}")
+    return found
