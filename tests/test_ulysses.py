@@ -225,12 +225,19 @@ def _grpo(rank, world, out_dir):
     config = GRPOConfig(sde="flow_grpo", eta=0.9, group_size=2)
     def reference():
         single = GRPOTrainer(policy, mean_latent_reward, None, config)
-        return {s: single.compute_gradients(conditions, torch.Generator().manual_seed(5),
-                                            schedule=s).grads for s in ("recompute", "retain")}
+        runs = {s: single.compute_gradients(conditions, torch.Generator().manual_seed(5),
+                                            schedule=s) for s in ("recompute", "retain")}
+        return {s: r.grads for s, r in runs.items()}, runs["recompute"].rollout.rewards
 
-    refs = from_rank(rank, 0, reference)
+    refs, ref_rewards = from_rank(rank, 0, reference)
     sp = parallelize_ulysses(policy.transformer)
-    trainer = GRPOTrainer(policy, mean_latent_reward, None, config)
+    scored = []
+
+    def reward(latents, cond):  # split_rewards: each rank scores every other row
+        scored.append(latents.shape[0])
+        return mean_latent_reward(latents, cond)
+
+    trainer = GRPOTrainer(policy, reward, None, config)
     out = {}
     # Reweight's per-row backward is vmapped, the all-to-alls of its backward included.
     for schedule, ref in [*refs.items(), ("reweight", refs["recompute"])]:
@@ -239,11 +246,23 @@ def _grpo(rank, world, out_dir):
         out[schedule] = {"rel": agreement(got.grads, ref)[1], "schedule": got.schedule,
                          "syncs": got.sync_collectives, "rows_per_backward": max(
                              s.stats.reweight_rows_per_backward
-                             for s in trainer._steps.values())}
+                             for s in trainer._steps.values()),
+                         "rewards": float((got.rollout.rewards - ref_rewards).abs().max())}
+    out["scored"] = sum(scored)
     # Every rank saves into one run folder (as a user's loop would): one rank writes.
     trainer.optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
     saved = trainer.save(os.path.join(out_dir, "run"))
     out["saved"] = sorted(os.listdir(os.path.dirname(saved)))
+    # A reward that fails on rank 1's share only: both ranks raise, neither waits.
+    def nan_on_rank_1(latents, cond):
+        return mean_latent_reward(latents, cond) / (rank != 1)
+
+    trainer.reward_fn = nan_on_rank_1
+    try:
+        trainer.compute_gradients(conditions, torch.Generator().manual_seed(5),
+                                  schedule="recompute")
+    except (ValueError, RuntimeError) as err:
+        out["failed"] = f"{type(err).__name__}: {err}"
     sp.undo()
     return out
 
@@ -432,6 +451,11 @@ def test_two_ranks(tmp_path):
             assert grpo[schedule]["rel"] <= 1e-5, (rank, grpo)
             assert grpo[schedule]["syncs"] == 1, grpo  # the sum over the group, once
         assert grpo["reweight"]["rows_per_backward"] == 2, grpo  # both samples in one
+        assert all(grpo[s]["rewards"] <= 1e-6 for s in ("recompute", "retain", "reweight")), grpo
+        assert grpo["scored"] == 3 * 4 // 2, grpo  # 3 rollouts of 4 rows, half on each rank
+        failed = grpo["failed"]
+        assert ("ValueError" in failed and "inf" in failed) if rank == 1 else \
+            ("RuntimeError" in failed and "1 other rank(s)" in failed), failed
         assert grpo["saved"] == ["latest", "step_00000000"], grpo["saved"]
 
 

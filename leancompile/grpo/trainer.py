@@ -141,6 +141,13 @@ class GRPOConfig:
     otherwise: with replicated gradients a reduction per group only adds traffic). Layouts whose
     advantages wait for the whole batch (``scattered``, ``global_std``) reduce once per update
     whatever this says."""
+    split_rewards: bool = True
+    """With a sequence-parallel policy (every rank of the group holds the same samples): each
+    rank of the group calls ``reward_fn`` on its share of the rows (rows ``i`` with
+    ``i % N == rank``; no call when it has none), and the scores are gathered over the group,
+    so decoding and the reward model run once per sample instead of once per rank. False:
+    every rank scores every row (a ``reward_fn`` that needs all the rows of a call at once, or
+    runs collectives of its own). No effect otherwise."""
 
     def __post_init__(self):
         if self.device is not None:
@@ -361,6 +368,39 @@ class GRPOTrainer:
         self.last_rollout: Rollout | None = None
 
     # -- set-up -------------------------------------------------------------------------------
+    def _score(self, latents: torch.Tensor, cond: dict) -> torch.Tensor:
+        """``reward_fn`` on these rows' final latents; with a sequence-parallel policy and
+        ``split_rewards``, each rank of the group scores every N-th row and the group sums
+        the scores (the others' zeros: exact)."""
+        n = latents.shape[0]
+        sp = self._sequence_sync
+        if sp is None or not sp.distributed or not self.config.split_rewards:
+            return check_rewards(self.reward_fn(latents, cond), n)
+        mine = torch.arange(sp.rank, n, sp.world_size)
+        # One collective: the scores and, last, how many ranks failed (a rank whose share
+        # raised must not leave its peers waiting for its scores).
+        scores = torch.zeros(n + 1)
+        error = None
+        if mine.numel():
+            try:
+                scores[mine] = check_rewards(
+                    self.reward_fn(latents[mine], {k: v[mine] for k, v in cond.items()}),
+                    mine.numel())
+            except Exception as err:  # raised below, after the peers know
+                error = err
+                scores[n] = 1
+        owned = torch.zeros(n + 1, dtype=torch.bool)
+        owned[mine] = owned[n] = True
+        gathered = sp.gather_rows(scores, owned)
+        if error is not None:
+            raise error
+        if gathered[n] > 0:
+            raise RuntimeError(
+                f"{int(gathered[n])} other rank(s) of the sequence-parallel group raised in "
+                "reward_fn on their share of the rows (GRPOConfig.split_rewards: each rank "
+                "scores every N-th row); their error is raised on those ranks.")
+        return gathered[:n]
+
     def _check_mesh(self, parallel) -> None:
         """A sequence-parallel policy with data parallelism: the ranks of a sequence-parallel
         group run the same rows (and, under fsdp, hold the same parts), so they must share one
@@ -936,8 +976,7 @@ class GRPOTrainer:
             if rows.numel():
                 group_cond = {k: v[rows] for k, v in st.cond.items()}
                 with record_function("leancompile.reward"):
-                    scores = self.reward_fn(traj[:, -1], group_cond)
-                rewards[rows] = check_rewards(scores, rows.numel())
+                    rewards[rows] = self._score(traj[:, -1], group_cond)
             if per_group:
                 group = torch.cat([torch.arange(p * cfg.group_size, (p + 1) * cfg.group_size)
                                    for p in unit.prompts])
