@@ -22,21 +22,21 @@ the gradients come out wrong (NaN in a probe). Ulysses sequence parallelism puts
 backward graph of every attention (the transpose of each forward all-to-all), exchanging
 ``[N, B, s, H/N, D]`` pieces over dim 0. ``leancompile::all_to_all_single`` is the all-to-all
 and its wait in one op, with a rule: the vmapped dim moves behind dim 0, so each piece of dim
-0 carries all the rows, one collective for all of them::
+0 carries all the rows, one collective for all of them.
 
-    Before (per row: [N, 1, s, H/N, D], R rows: no rule, wrong values)::
+Before (per row ``t: [N, 1, s, H/N, D]``, R rows: no rule, wrong values)::
 
-        x = _c10d_functional.all_to_all_single(t, None, None, "group")
-        y = _c10d_functional.wait_tensor(x)
+    x = _c10d_functional.all_to_all_single(t, None, None, "group")
+    y = _c10d_functional.wait_tensor(x)
 
-    After (``vmap_friendly``; under vmap: one all-to-all of [N, R, 1, s, H/N, D])::
+After (``vmap_friendly``; under vmap: one all-to-all of ``[N, R, 1, s, H/N, D]``)::
 
-        y = leancompile.all_to_all_single(t, None, None, "group")
+    y = leancompile.all_to_all_single(t, None, None, "group")
 
 It is exact because every rank of the group vmaps the same rows in the same order (the ranks
 of a sequence-parallel group run the same samples): row r's piece goes to row r of each peer,
-as in the per-row backward. Other collectives stay as they are; ``batchable_collectives`` says
-whether a graph has any that would meet batched values.
+as in the per-row backward. Other collectives stay as they are; ``unbatchable_collectives``
+names those that would meet batched values (the caller then runs one backward per row).
 """
 
 from __future__ import annotations
@@ -169,7 +169,8 @@ def unbatchable_collectives(gm, batched_inputs: set[int]) -> list[str]:
         if node.op == "placeholder" or not any(a in reached for a in node.all_input_nodes):
             continue
         reached.add(node)
-        if node.op == "call_function" and _is_collective(node) and \
-                node.target is not torch.ops.leancompile.all_to_all_single.default:
+        if node.op == "call_function" and _is_collective(node) and node.target not in (
+                torch.ops.leancompile.all_to_all_single.default, _funcol.wait_tensor.default):
+            # (a wait belongs to the collective it waits for, named already)
             found.append(f"{node.target} at {node.name}")
     return found

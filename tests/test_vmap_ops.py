@@ -1,0 +1,44 @@
+"""``leancompile/runtime/vmap_ops.py`` on hand-built graphs (no process group needed: the graphs
+are rewritten and inspected, not run; the 2- and 4-rank GRPO tests in test_ulysses.py run them)."""
+
+import torch
+import torch.fx as fx
+
+from leancompile.runtime.vmap_ops import unbatchable_collectives, vmap_friendly
+
+funcol = torch.ops._c10d_functional
+
+
+def _graph():
+    """backward(per_row, shared): an all-to-all and its wait on a per-row tensor, an
+    all-reduce of a per-row value and one of a shared value."""
+    g = fx.Graph()
+    per_row, shared = g.placeholder("per_row"), g.placeholder("shared")
+    a2a = g.call_function(funcol.all_to_all_single.default, (per_row, None, None, "0"))
+    exchanged = g.call_function(funcol.wait_tensor.default, (a2a,))
+    reduced = g.call_function(funcol.wait_tensor.default, (g.call_function(
+        funcol.all_reduce.default, (exchanged, "sum", "0")),))
+    common = g.call_function(funcol.wait_tensor.default, (g.call_function(
+        funcol.all_reduce.default, (shared, "sum", "0")),))
+    g.output((reduced, common))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_the_all_to_all_and_its_wait_become_one_op_with_a_batching_rule():
+    gm = _graph()
+    vmap_friendly(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.leancompile.all_to_all_single.default in targets
+    assert funcol.all_to_all_single.default not in targets
+    # the all-to-all's wait is gone; the all-reduces keep theirs
+    assert targets.count(funcol.wait_tensor.default) == 2
+
+
+def test_collectives_without_a_rule_that_meet_rows_are_named():
+    gm = _graph()
+    vmap_friendly(gm)
+    found = unbatchable_collectives(gm, {0})
+    # the all-reduce of the exchanged rows; not the all-to-all (it has a rule) and not the
+    # all-reduce of the shared input (vmap runs it once, unbatched)
+    assert len(found) == 1 and "all_reduce" in found[0], found
+    assert unbatchable_collectives(gm, set()) == []
