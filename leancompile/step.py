@@ -69,7 +69,7 @@ from .passes.coalesced_sync import find_gradient_reductions, take_out_reductions
 from .runtime.accumulate import accumulating
 from .runtime.frameless import frameless
 from .runtime.reuse import Reused, gather_rows, row_hashes, storage_bytes, whole_hash
-from .runtime.vmap_ops import unbatchable_collectives, vmap_friendly
+from .runtime.vmap_ops import agree_min, unbatchable_collectives, vmap_friendly
 
 __all__ = ["lean_compile", "LeanStep", "StepConfig", "StepStats", "StepReport", "SCHEDULES",
            "free_memory_bytes"]
@@ -833,10 +833,21 @@ class _GraphRuntime:
         """Reweight: how many rows one vectorised backward takes (``reweight_rows``, else from
         what the memory budget leaves; ``passes.lean_grpo.reweight_rows_per_backward``)."""
         state = self.step._state
-        return reweight_rows_per_backward(
+        rows = reweight_rows_per_backward(
             rows=len(kept.rows), grad_bytes=self.row_grad_bytes(kept.args),
             row_saved_bytes=self.g.kept_bytes(1), requested=self.step.config.reweight_rows,
             room_bytes=state.budget - state.kept_bytes - state.buffer_bytes - state.held_bytes)
+        # The vectorised backward's all-to-alls carry `rows` rows: every rank of their group
+        # must take the same number (each computed it from its own memory).
+        for group in self._exchange_groups():
+            rows = agree_min(rows, group, kept.outputs[0].device)
+        return rows
+
+    def _exchange_groups(self) -> list[str]:
+        """The groups of the all-to-alls in the vectorised backward."""
+        target = torch.ops.leancompile.all_to_all_single.default
+        return list(dict.fromkeys(n.args[3] for n in self._vmappable_backward().graph.nodes
+                                  if n.op == "call_function" and n.target is target))
 
     def _vmappable_backward(self) -> fx.GraphModule:
         """The aten backward graph with slice ends of "to the end" (``2**63 - 1``, which

@@ -386,7 +386,6 @@ def test_fsdp_two_ranks_toy_every_layout_and_schedule_equals_one_process(tmp_pat
             <= 1e-6 * report["lora_kl"][1], report["lora_kl"]
 
 
-
 def test_sharding_keeps_tied_parameters_tied_and_refuses_0_dim_before_changing_anything():
     from leancompile.grpo.fsdp import ParameterSharding
 

@@ -1,6 +1,7 @@
 """Row layouts (``leancompile/passes/row_layout.py``) of graphs traced with a symbolic batch:
 the spellings real models produce, checked node by node."""
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -56,9 +57,9 @@ def test_a_fill_fits_the_layout_it_is_combined_with():
 
 
 def test_the_batch_moved_behind_a_dim_of_pieces_and_back():
-    """Sequence parallelism's spellings (without the collectives, which need a group; the
-    2-rank GRPO test in test_ulysses.py runs them): a permute that moves the batch to dim 1
-    behind the pieces, a split and a cat of whole pieces, and the permute back."""
+    """Sequence parallelism's spellings without the collectives (below with them): a permute
+    that moves the batch to dim 1 behind the pieces, a split and a cat of whole pieces, and the
+    permute back."""
     def gather_tokens(x):                                       # [B, S, D]
         pieces = x.movedim(1, 0).contiguous()                   # [S, B, D]: rows in dim 1
         parts = list(pieces.chunk(2, 0))
@@ -78,11 +79,75 @@ def test_the_batch_behind_a_dim_of_pieces_is_mixed_when_rows_meet_or_it_stays_th
     def reduced(x):
         return x.movedim(1, 0).sum(1), x.movedim(1, 0).clone()
 
-    def batch_first_behind_a_symbolic_dim(x):
+    def batch_moved_on_to_dim_2(x):
         return x.permute(1, 0, 2).permute(0, 2, 1).permute(2, 1, 0)
 
     summed, left = _layouts(reduced, (4, 6))
     assert isinstance(summed, Mixed) and isinstance(left, Mixed)
     assert "outside dim 0" in left.reason
-    (moved,) = _layouts(batch_first_behind_a_symbolic_dim, (4, 6, 3))
+    (moved,) = _layouts(batch_moved_on_to_dim_2, (4, 6, 3))
     assert isinstance(moved, Mixed)
+
+
+@pytest.fixture
+def group():
+    """A fake two-rank process group (traces collectives, runs nothing), declared to hold the
+    same rows on both ranks as a sequence-parallel group is; `undeclared` is another."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from leancompile.passes.row_layout import declare_same_rows, forget_same_rows
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        declared, undeclared = dist.group.WORLD, dist.new_group([0, 1])
+        declare_same_rows(declared)
+        yield declared, undeclared
+        forget_same_rows(declared)
+    finally:
+        dist.destroy_process_group()
+
+
+def _layouts_dim0(fn, *shapes):
+    """Traced with only dim 0 symbolic (what capture's ``mark_dynamic(x, 0)`` gives)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    inputs = [mode.from_tensor(torch.randn(s), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC] + [DimDynamic.STATIC] * (len(s) - 1)))
+        for s in shapes]
+    with mode:
+        gm = make_fx(fn, tracing_mode="fake")(*inputs)
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    state = find_row_layouts(gm, {0: 1}, x.meta["val"].shape[0].node.expr)
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    return [state[o] for o in out]
+
+
+def test_collectives_keep_rows_only_over_whole_pieces_of_a_same_rows_group(group):
+    import torch.distributed._functional_collectives as funcol
+
+    declared, undeclared = group
+
+    def exchange(x, g):
+        out = funcol.all_to_all_single(x.contiguous(), None, None, g)
+        return out.wait() if hasattr(out, "wait") else out
+
+    def ulysses(x):                                   # [B, S, 2, H/2, D], as seq_to_heads
+        heads = exchange(x.permute(2, 0, 1, 3, 4), declared).permute(1, 0, 2, 3, 4)
+        other = exchange(x.permute(2, 0, 1, 3, 4), undeclared).permute(1, 0, 2, 3, 4)
+        gathered = funcol.all_gather_tensor(x.movedim(1, 0).contiguous(), 0, declared)
+        return heads.clone(), other.clone(), gathered.movedim(0, 1).clone()
+
+    def batch_major(x):                               # [B, 2, D] -> [2B, D]: rows in dim 0
+        return (exchange(x.reshape(-1, x.shape[-1]), declared) * 2,)
+
+    heads, other, gathered = _layouts_dim0(ulysses, (3, 4, 2, 2, 5))
+    assert heads == RowLayout(1, 1) and gathered == RowLayout(1, 1), (heads, gathered)
+    assert isinstance(other, Mixed) and "declare_same_rows" in other.reason, other
+    # The exchange moves another rank's rows in: rank 0's sample 1 would get rank 1's
+    # sample 0 (a probe on 2 ranks: whole batch [0, 1, 100, 101], row by row [0, 100, 2, 102])
+    (rows,) = _layouts_dim0(batch_major, (3, 2, 5))
+    assert isinstance(rows, Mixed) and "batch dim" in rows.reason, rows

@@ -323,11 +323,11 @@ def _grpo_mesh(rank, world, out_dir):
             5 + (rank == world - 1)), schedule="recompute")
     except RankMismatchError as err:
         out["seed"] = str(err)
-    # auto on a mesh whose last rank has no memory to spare: every rank must run recompute (a
-    # rank running retain while a peer recomputes would wait forever). (Retain and Reweight
-    # run on this mesh under fsdp below.)
-    for schedule in ("auto",):
-        if rank == world - 1:
+    # reweight (its vectorised backward's all-to-alls carry both rows), then auto on a mesh
+    # whose last rank has no memory to spare: every rank must run recompute (a rank running
+    # retain while a peer recomputes would wait forever). (Retain: under fsdp below.)
+    for schedule in ("reweight", "auto"):
+        if schedule == "auto" and rank == world - 1:
             trainer._budget_bytes = lambda device: 1
         got = trainer.compute_gradients(conditions, torch.Generator().manual_seed(5),
                                         schedule=schedule)
@@ -482,7 +482,7 @@ def test_four_ranks(tmp_path):
         # the parts over sp; reweight: one reduce-scatter per update, then the sum
         assert fsdp["retain"]["syncs"][0] > 2 and fsdp["reweight"]["syncs"][0] == 2, fsdp
         assert fsdp["reweight"]["rows_per_backward"] == 2, fsdp  # both rows in one backward
-        for schedule, ran in (("auto", "recompute"),):
+        for schedule, ran in (("reweight", "reweight"), ("auto", "recompute")):
             got = mesh[schedule]
             # auto: the last rank's budget fits nothing but recompute, on every rank
             assert got["schedule"] == ran and got["rel"] <= 1e-5, (rank, schedule, got)

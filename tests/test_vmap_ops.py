@@ -14,7 +14,7 @@ def _graph():
     all-reduce of a per-row value and one of a shared value."""
     g = fx.Graph()
     per_row, shared = g.placeholder("per_row"), g.placeholder("shared")
-    a2a = g.call_function(funcol.all_to_all_single.default, (per_row, None, None, "0"))
+    a2a = g.call_function(funcol.all_to_all_single.default, (per_row, [1, 1], [1, 1], "0"))
     exchanged = g.call_function(funcol.wait_tensor.default, (a2a,))
     reduced = g.call_function(funcol.wait_tensor.default, (g.call_function(
         funcol.all_reduce.default, (exchanged, "sum", "0")),))
@@ -42,3 +42,16 @@ def test_collectives_without_a_rule_that_meet_rows_are_named():
     # all-reduce of the shared input (vmap runs it once, unbatched)
     assert len(found) == 1 and "all_reduce" in found[0], found
     assert unbatchable_collectives(gm, set()) == []
+
+
+def test_deferred_reductions_leave_data_movement_in_and_refuse_reductions():
+    """fsdp's Reweight takes its gradient reduce-scatters out of the per-row backward; the
+    all-to-alls move data and stay, while an all-reduce would sum each row on its own."""
+    from leancompile.passes.coalesced_sync import find_gradient_reductions
+
+    gm = _graph()
+    found = find_gradient_reductions(gm)
+    names = {n.name: str(n.target) for n in gm.graph.nodes}
+    assert [names[n] for n in found.compute] == ["_c10d_functional.all_to_all_single.default"]
+    stuck = [n for n, _ in found.skipped if n not in found.compute]
+    assert [names[n] for n in stuck] == ["_c10d_functional.all_reduce.default"] * 2

@@ -48,6 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..passes.row_layout import declare_same_rows, forget_same_rows
+
 __all__ = ["SequenceParallel", "parallelize_ulysses", "ulysses_attention"]
 
 
@@ -185,6 +187,8 @@ class SequenceParallel:
         self.model, self.group, self.rank, self.world = model, group, rank, world
         self.handles: list = []
         self.processors: dict[str, object] = {}  # attention module name -> original processor
+        self.declared = False
+        """Whether ``group`` is declared to hold the same rows (``declare_same_rows``)."""
 
     def sync_grads(self, params=None) -> None:
         """Sum the parameters' ``.grad`` over the group (each rank's holds its tokens' part):
@@ -201,6 +205,9 @@ class SequenceParallel:
         for name, processor in self.processors.items():
             modules[name].processor = processor
         self.handles, self.processors = [], {}
+        if self.declared:
+            forget_same_rows(self.group)
+            self.declared = False
         self.model._leancompile_sequence_parallel = None
 
 
@@ -248,6 +255,7 @@ def parallelize_ulysses(transformer: nn.Module, group=None) -> SequenceParallel:
                            "SequenceParallel before parallelizing it again")
     group = dist.group.WORLD if group is None else group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+
     from diffusers.models._modeling_parallel import ContextParallelOutput
 
     sp = SequenceParallel(model, group, rank, world)
@@ -286,6 +294,9 @@ def parallelize_ulysses(transformer: nn.Module, group=None) -> SequenceParallel:
         new.__dict__.update(processor.__dict__)
         new._parallel_config = config
         module.processor = new
+    # Its ranks run the same samples: LeanGRPO may follow rows through its all-to-alls.
+    declare_same_rows(group)
+    sp.declared = True
     model._leancompile_sequence_parallel = sp
     return sp
 

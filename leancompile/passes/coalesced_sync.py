@@ -70,9 +70,10 @@ class ReductionsFound:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """(node, reason) for every other collective in the graph."""
     compute: list[str] = field(default_factory=list)
-    """The skipped collectives that are not reductions (all-to-alls, all-gathers: the
-    backward's own compute, as sequence parallelism's), which stay in the graph as they are;
-    the other skipped ones are reductions that cannot be taken out."""
+    """The skipped collectives that sum nothing (all-to-alls, all-gathers: the backward's own
+    data movement, as sequence parallelism's), which may stay in the graph as they are; the
+    other skipped ones (all-reduces, reduce-scatters that cannot be taken out) would reduce
+    each row's gradient on its own."""
 
 
 def find_gradient_reductions(gm: fx.GraphModule) -> ReductionsFound:
@@ -89,7 +90,8 @@ def find_gradient_reductions(gm: fx.GraphModule) -> ReductionsFound:
         if "reduce_scatter_tensor" not in name:
             found.skipped.append((node.name, f"{name} is not a gradient reduction (a "
                                              "collective the backward needs for its compute)"))
-            found.compute.append(node.name)
+            if "all_to_all" in name or "all_gather" in name:  # moves data, sums nothing
+                found.compute.append(node.name)
             continue
         if len(node.args) < 4 or node.args[1] != "sum":
             found.skipped.append((node.name, f"reduces with {node.args[1]!r}, not 'sum'"))

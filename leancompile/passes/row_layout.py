@@ -30,13 +30,15 @@ LeanGRPO pass (``lean_grpo.py``) reads those of the outputs and saved tensors.
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from dataclasses import dataclass
 
 import sympy
 import torch
 import torch.fx as fx
 
-__all__ = ["RowLayout", "Mixed", "find_row_layouts", "layout_of_shape"]
+__all__ = ["RowLayout", "Mixed", "find_row_layouts", "layout_of_shape", "declare_same_rows",
+           "forget_same_rows", "same_rows_groups"]
 
 aten = torch.ops.aten
 
@@ -88,8 +90,9 @@ class _Lifted:
 
     A collective is row by row only when every rank of its group holds the same rows in the
     same order, as the ranks of a sequence-parallel group do (they run the same samples on
-    their own tokens); the per-row backward then exchanges each row's pieces with the same
-    row of the other ranks, as the whole-batch backward does."""
+    their own tokens; ``declare_same_rows``); the per-row backward then exchanges each row's
+    pieces with the same row of the other ranks, as the whole-batch backward does. A
+    collective over another group, or over a tensor with the batch in dim 0, is ``Mixed``."""
 
     blocks: object
     """An int, or a sympy expression without the batch symbol."""
@@ -122,14 +125,49 @@ _PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
 
 
+_SAME_ROWS: Counter = Counter()
+
+
+def _group_name(group) -> str:
+    return group if isinstance(group, str) else group.group_name
+
+
+def declare_same_rows(group) -> None:
+    """Declare that every rank of ``group`` (a process group or its ``group_name``) runs the
+    same samples in the same order, as the ranks of a sequence-parallel group do
+    (``parallelize_ulysses`` declares its group, ``SequenceParallel.undo`` forgets it). Only
+    over such a group does an exchange or gather of whole pieces of dim 0 keep each sample's
+    entries with that sample; over any other group (data parallelism: each rank its own
+    samples) it is ``Mixed``. Declarations are counted: ``forget_same_rows`` undoes one."""
+    _SAME_ROWS[_group_name(group)] += 1
+
+
+def forget_same_rows(group) -> None:
+    """Undo one ``declare_same_rows(group)``."""
+    name = _group_name(group)
+    _SAME_ROWS[name] -= 1
+    if _SAME_ROWS[name] <= 0:
+        del _SAME_ROWS[name]
+
+
+def same_rows_groups() -> frozenset[str]:
+    """The names of the groups declared with ``declare_same_rows`` (and not forgotten)."""
+    return frozenset(_SAME_ROWS)
+
+
 def _collectives():
     """Functional collectives over dim 0 that a ``_Lifted`` tensor may pass: (exchange or
-    gather ops, their wait)."""
+    gather ops with their group name's argument index, their wait)."""
     ops = getattr(torch.ops, "_c10d_functional", None)
     if ops is None:
-        return (), ()
-    return (ops.all_to_all_single.default, ops.all_gather_into_tensor.default), \
+        return {}, ()
+    return {ops.all_to_all_single.default: 3, ops.all_gather_into_tensor.default: 2}, \
         (ops.wait_tensor.default,)
+
+
+def _is_collective(target) -> bool:
+    namespace = getattr(target, "namespace", None)
+    return namespace in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
 _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
             aten.baddbmm.default: (1, 2)}
 
@@ -258,6 +296,10 @@ class _Analysis:
         if shaped is None:
             return Mixed(f"{_name(node)} reduces over the batch (output shape "
                          f"{tuple(val.shape)})")
+        if _is_collective(node.target) and node.target not in _collectives()[1]:
+            # Over dim 0 with the batch in it, pieces of dim 0 are rows: an exchange moves
+            # another rank's rows into this one's (a reduction adds them).
+            return Mixed(f"{_name(node)}: a collective over the batch dim")
         return self.single(node, carrying, shaped, val)
 
     def multi(self, node, carrying, vals):
@@ -393,9 +435,14 @@ class _Analysis:
             return outside
         if target in (aten.clone.default, aten.contiguous.default) or target in waits:
             return lay
+        if target in exchanges and _arg(node, exchanges[target], "group_name") not in \
+                _SAME_ROWS:
+            return Mixed(f"{_name(node)}: a collective over a group not declared to hold the "
+                         "same samples on every rank (declare_same_rows)")
         if target in exchanges or (target is aten.slice.Tensor and _norm(
                 _arg(node, 1, "dim", 0), src.dim()) == 0):
-            # Whole pieces of dim 0 move (between ranks, or out of a slice); dim 1 stays.
+            # Whole pieces of dim 0 move (between ranks that hold the same rows, or out of a
+            # slice); dim 1 stays.
             return _Lifted(_static(val.shape[0]), lay.base) if same(
                 val.shape[1:], src.shape[1:]) else outside
         if target in _PERMUTES:

@@ -26,12 +26,12 @@ and its wait in one op, with a rule: the vmapped dim moves behind dim 0, so each
 
 Before (per row ``t: [N, 1, s, H/N, D]``, R rows: no rule, wrong values)::
 
-    x = _c10d_functional.all_to_all_single(t, None, None, "group")
+    x = _c10d_functional.all_to_all_single(t, [1, 1], [1, 1], "group")
     y = _c10d_functional.wait_tensor(x)
 
 After (``vmap_friendly``; under vmap: one all-to-all of ``[N, R, 1, s, H/N, D]``)::
 
-    y = leancompile.all_to_all_single(t, None, None, "group")
+    y = leancompile.all_to_all_single(t, [1, 1], [1, 1], "group")
 
 It is exact because every rank of the group vmaps the same rows in the same order (the ranks
 of a sequence-parallel group run the same samples): row r's piece goes to row r of each peer,
@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["VMAP_REPLACEMENTS", "vmap_friendly", "unbatchable_collectives"]
+__all__ = ["VMAP_REPLACEMENTS", "agree_min", "vmap_friendly", "unbatchable_collectives"]
 
 _aten = torch.ops.aten
 
@@ -96,16 +96,14 @@ _funcol = torch.ops._c10d_functional
 
 
 @torch.library.custom_op("leancompile::all_to_all_single", mutates_args=())
-def all_to_all_single(input: Tensor, output_split_sizes: list[int] | None,
-                      input_split_sizes: list[int] | None, group_name: str) -> Tensor:
+def all_to_all_single(input: Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], group_name: str) -> Tensor:
     out = _funcol.all_to_all_single(input, output_split_sizes, input_split_sizes, group_name)
     return _funcol.wait_tensor(out)
 
 
 @all_to_all_single.register_fake
 def _(input, output_split_sizes, input_split_sizes, group_name):
-    if output_split_sizes is None:
-        return torch.empty_like(input)
     return input.new_empty((sum(output_split_sizes), *input.shape[1:]))
 
 
@@ -174,3 +172,15 @@ def unbatchable_collectives(gm, batched_inputs: set[int]) -> list[str]:
             # (a wait belongs to the collective it waits for, named already)
             found.append(f"{node.target} at {node.name}")
     return found
+
+
+def agree_min(value: int, group_name: str, device) -> int:
+    """The smallest ``value`` over the ranks of the group named ``group_name`` (one all-reduce
+    of one integer on ``device``): the rows one vectorised backward takes, which its
+    all-to-alls exchange, must be the same on every rank of their group."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_resolve_process_group(group_name))
+    return int(t.item())
