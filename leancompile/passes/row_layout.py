@@ -121,9 +121,10 @@ _BATCH_MIXING = {aten._native_batch_norm_legit_functional.default,
                  aten.index_put.default, aten.arange.default,
                  aten.arange.start, aten.arange.start_step, aten.randperm.default}
 _LOOKUPS = {aten.index.Tensor, aten.index_select.default, aten.embedding.default}
+_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
+            aten.baddbmm.default: (1, 2)}
 _PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
-
 
 _SAME_ROWS: Counter = Counter()
 
@@ -166,10 +167,9 @@ def _collectives():
 
 
 def _is_collective(target) -> bool:
-    namespace = getattr(target, "namespace", None)
-    return namespace in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
-_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
-            aten.baddbmm.default: (1, 2)}
+    from .coalesced_sync import _COLLECTIVE_NAMESPACES
+
+    return getattr(target, "namespace", None) in _COLLECTIVE_NAMESPACES + ("c10d", "_dtensor")
 
 
 def _val(node):

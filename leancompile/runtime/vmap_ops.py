@@ -125,16 +125,12 @@ VMAP_REPLACEMENTS = {
 }
 """aten op -> the same op with a batching rule (same arguments)."""
 
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
-
-
 def _is_collective(node) -> bool:
-    target = node.target
-    namespace = getattr(target, "namespace", None)
-    if namespace is None and hasattr(target, "_schema"):
-        namespace = target._schema.name.split("::")[0]
-    return namespace in _COLLECTIVE_NAMESPACES or (
-        namespace == "leancompile" and "p2p" in str(target))
+    """A functional collective (not its wait) or a FlashOverlap P2P op."""
+    from ..passes.coalesced_sync import _is_collective as functional
+
+    return functional(node) or (getattr(node.target, "namespace", None) == "leancompile" and
+                                "p2p" in str(node.target))
 
 
 def vmap_friendly(gm) -> None:
@@ -167,9 +163,8 @@ def unbatchable_collectives(gm, batched_inputs: set[int]) -> list[str]:
         if node.op == "placeholder" or not any(a in reached for a in node.all_input_nodes):
             continue
         reached.add(node)
-        if node.op == "call_function" and _is_collective(node) and node.target not in (
-                torch.ops.leancompile.all_to_all_single.default, _funcol.wait_tensor.default):
-            # (a wait belongs to the collective it waits for, named already)
+        if _is_collective(node) and \
+                node.target is not torch.ops.leancompile.all_to_all_single.default:
             found.append(f"{node.target} at {node.name}")
     return found
 
