@@ -126,11 +126,14 @@ VMAP_REPLACEMENTS = {
 """aten op -> the same op with a batching rule (same arguments)."""
 
 def _is_collective(node) -> bool:
-    """A functional collective (not its wait) or a FlashOverlap P2P op."""
-    from ..passes.coalesced_sync import _is_collective as functional
-
-    return functional(node) or (getattr(node.target, "namespace", None) == "leancompile" and
-                                "p2p" in str(node.target))
+    """A functional collective (not its wait: it belongs to its collective) or a FlashOverlap
+    P2P op. (``passes/coalesced_sync.py`` names the same namespaces; a pass may import this
+    layer, not the other way round.)"""
+    if node.op != "call_function" or "wait_tensor" in str(node.target):
+        return False
+    namespace = getattr(node.target, "namespace", None)
+    return namespace in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd") \
+        or (namespace == "leancompile" and "p2p" in str(node.target))
 
 
 def vmap_friendly(gm) -> None:
