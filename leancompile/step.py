@@ -455,6 +455,7 @@ class _GraphRuntime:
         self._at_one: tuple | None = None
         self._vmap_backward: fx.GraphModule | None = None
         self._unbatchable_reason: str | None = None
+        self._exchanges: list[str] | None = None
         self._row_backwards: dict = {}
         self._inplace_matmuls = 0
         self._deferred_outputs: set[int] = set()
@@ -844,10 +845,13 @@ class _GraphRuntime:
         return rows
 
     def _exchange_groups(self) -> list[str]:
-        """The groups of the all-to-alls in the vectorised backward."""
-        target = torch.ops.leancompile.all_to_all_single.default
-        return list(dict.fromkeys(n.args[3] for n in self._vmappable_backward().graph.nodes
-                                  if n.op == "call_function" and n.target is target))
+        """The groups of the all-to-alls in the vectorised backward (found once)."""
+        if self._exchanges is None:
+            target = torch.ops.leancompile.all_to_all_single.default
+            self._exchanges = list(dict.fromkeys(
+                n.args[3] for n in self._vmappable_backward().graph.nodes
+                if n.op == "call_function" and n.target is target))
+        return self._exchanges
 
     def _vmappable_backward(self) -> fx.GraphModule:
         """The aten backward graph with slice ends of "to the end" (``2**63 - 1``, which

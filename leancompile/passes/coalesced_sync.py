@@ -38,17 +38,17 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
+from ..runtime.vmap_ops import COLLECTIVE_NAMESPACES
+
 __all__ = ["GradientReduction", "ReductionsFound", "find_gradient_reductions",
            "take_out_reductions"]
-
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 
 
 def _is_collective(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     namespace = getattr(node.target, "namespace", None)
-    return namespace in _COLLECTIVE_NAMESPACES and "wait_tensor" not in str(node.target)
+    return namespace in COLLECTIVE_NAMESPACES and "wait_tensor" not in str(node.target)
 
 
 @dataclass(frozen=True)

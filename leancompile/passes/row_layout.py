@@ -167,9 +167,9 @@ def _collectives():
 
 
 def _is_collective(target) -> bool:
-    from .coalesced_sync import _COLLECTIVE_NAMESPACES
+    from ..runtime.vmap_ops import COLLECTIVE_NAMESPACES
 
-    return getattr(target, "namespace", None) in _COLLECTIVE_NAMESPACES + ("c10d", "_dtensor")
+    return getattr(target, "namespace", None) in COLLECTIVE_NAMESPACES + ("c10d", "_dtensor")
 
 
 def _val(node):

@@ -44,7 +44,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["VMAP_REPLACEMENTS", "agree_min", "vmap_friendly", "unbatchable_collectives"]
+__all__ = ["COLLECTIVE_NAMESPACES", "VMAP_REPLACEMENTS", "agree_min", "vmap_friendly",
+           "unbatchable_collectives"]
 
 _aten = torch.ops.aten
 
@@ -125,15 +126,19 @@ VMAP_REPLACEMENTS = {
 }
 """aten op -> the same op with a batching rule (same arguments)."""
 
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+"""The op namespaces of functional collectives (also what ``passes/coalesced_sync.py`` and
+``passes/row_layout.py`` look for)."""
+
+
 def _is_collective(node) -> bool:
     """A functional collective (not its wait: it belongs to its collective) or a FlashOverlap
-    P2P op. (``passes/coalesced_sync.py`` names the same namespaces; a pass may import this
-    layer, not the other way round.)"""
+    P2P op."""
     if node.op != "call_function" or "wait_tensor" in str(node.target):
         return False
     namespace = getattr(node.target, "namespace", None)
-    return namespace in ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd") \
-        or (namespace == "leancompile" and "p2p" in str(node.target))
+    return namespace in COLLECTIVE_NAMESPACES or (namespace == "leancompile" and
+                                                  "p2p" in str(node.target))
 
 
 def vmap_friendly(gm) -> None:
