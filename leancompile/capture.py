@@ -182,6 +182,9 @@ class StepGraphs:
     dynamo_graph: fx.GraphModule | None = None
     """The Dynamo graph itself (``fingerprints_at``)."""
     sample_output: int | None = None
+    sample_grad_outputs: list[int] = field(default_factory=list)
+    """Outputs whose gradient flows through the drawn sample (``_sample_gradient_outputs``):
+    an update passing the sample back cannot reuse this graph's forward."""
     kept_roots: dict = field(default_factory=dict)
     """Storages the saved tensors live in that are not inputs (or views of inputs): name ->
     bytes (an int, or a sympy expression of ``batch_symbol``)."""
@@ -226,6 +229,70 @@ class StepGraphs:
         if self.sample_output is not None:
             sample, _ = _structural_hashes(graph, self.roles, cut=self.sample_output)
         return fingerprint, sample
+
+
+_IN_PLACE_OPERATORS = {"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod",
+                       "ipow", "imatmul", "iand", "ior", "ixor", "ilshift", "irshift"}
+_VIEWS = {"view", "reshape", "getitem", "__getitem__", "transpose", "permute", "unsqueeze",
+          "squeeze", "select", "narrow", "expand", "flatten", "unflatten", "t", "view_as",
+          "movedim", "swapaxes", "diagonal", "unbind", "split", "chunk", "as_strided"}
+
+
+def _name(node: fx.Node) -> str:
+    return str(getattr(node.target, "__name__", node.target))
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    """A Dynamo-graph op that writes into its first argument (``x.add_(y)``, ``x += y``)."""
+    name = _name(node)
+    return node.op in ("call_function", "call_method") and (
+        name.strip("_") in _IN_PLACE_OPERATORS or name.endswith("_") and not name.endswith("__"))
+
+
+def _sample_gradient_outputs(gm: fx.GraphModule, sample_output: int | None) -> list[int]:
+    """The outputs (other than ``sample_output``) that the drawn sample reaches through values
+    that require grad, in the Dynamo graph ``gm`` (traced with gradients on): their gradient
+    flows through the sample. An update that passes the sample back holds it constant, so such
+    a rollout graph's backward is not the update's (FlowGRPO's and DanceGRPO's steps detach the
+    sample where the log-prob reads it; a step that does not must be recomputed).
+
+    Conservative: a value that requires grad and reads a reached value is reached (an op that
+    does not differentiate through that input still counts), and an in-place op on a reached
+    value marks the tensor it writes into."""
+    outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    if sample_output is None or sample_output >= len(outs) or \
+            not isinstance(outs[sample_output], fx.Node):
+        return []
+
+    def requires_grad(node) -> bool:
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(value, torch.Tensor):
+            return value.requires_grad
+        # a tuple of tensors (split, chunk): its getitems decide; sizes and flags carry none
+        return isinstance(value, (list, tuple)) and any(
+            isinstance(v, torch.Tensor) and v.requires_grad for v in value)
+
+    sample = outs[sample_output]
+    reached = {sample} if requires_grad(sample) else set()
+    for node in gm.graph.nodes:
+        if not reached:
+            break
+        if node in reached or node.op in ("placeholder", "output"):
+            continue
+        if not any(a in reached for a in node.all_input_nodes):
+            continue
+        if requires_grad(node):
+            reached.add(node)
+        if _writes_in_place(node):  # (x[i] = sample returns nothing, and writes into x)
+            # later readers of the written tensor (and of what it views) see the sample
+            written = node.args[0] if node.args else None
+            while isinstance(written, fx.Node):
+                reached.add(written)
+                written = written.args[0] if _name(written) in _VIEWS and written.args \
+                    else None
+    return [i for i, o in enumerate(outs)
+            if i != sample_output and isinstance(o, fx.Node) and o in reached]
 
 
 def _role(node: fx.Node, value) -> InputRole:
@@ -571,4 +638,5 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
         batch_symbol=symbol, layouts=layouts, saved_meta=saved_meta, fingerprint=fingerprint,
         sample_fingerprint=sample_fp, key_inputs=key_inputs, sample_key_inputs=sample_keys,
         random_ops=random_ops, dynamo_graph=gm, sample_output=sample_output,
+        sample_grad_outputs=_sample_gradient_outputs(gm, sample_output),
         kept_roots=kept_roots, backward_aten=backward_aten, regather=regather)

@@ -39,7 +39,10 @@ A step that draws its sample inside (FlowGRPO's and DanceGRPO's SDE steps when n
 ``prev_sample`` is given) declares it: ``sample_output`` is the output holding the drawn sample,
 ``sample_arg`` the keyword the update passes it back in. A rollout call and an update call then
 match when the update graph computes, from the sample, exactly what the rollout graph computes
-from the value it drew (the rollout graph's sample output is hashed as an input).
+from the value it drew (the rollout graph's sample output is hashed as an input). The drawn
+sample must reach the other outputs detached (FlowGRPO's ``prev_sample.detach()`` in the
+log-prob): the update holds the sample it passes back constant, so a rollout graph whose
+gradients flow through the sample is refused (``capture._sample_gradient_outputs``).
 """
 
 from __future__ import annotations
@@ -605,6 +608,16 @@ class _GraphRuntime:
                 "update's forward would not repeat the rollout's, so nothing can be reused. "
                 "Call model.eval() (dropout), pass the noise in as an argument (a step that "
                 "samples), or use schedule='recompute'")
+        if g.sample_grad_outputs and schedule != "recompute":
+            j = self.step.config.sample_output
+            raise ValueError(
+                f"the wrapped step's drawn sample (output {j}, sample_output={j}) carries "
+                f"gradient into output(s) {g.sample_grad_outputs}: the rollout's backward "
+                "differentiates through the sample, while the update, which passes it back in "
+                f"{self.step.config.sample_arg}=, holds it constant, so reusing the rollout "
+                "would give other gradients. Detach the drawn sample where the step reads it "
+                "(FlowGRPO and DanceGRPO compute the log-prob from prev_sample.detach()), or use "
+                "schedule='recompute'")
         batch = self._batch(args)
         train_rows = [r for r in train_rows if r < batch]
         state.stats.trained_calls += 1
@@ -1187,7 +1200,13 @@ class _GraphRuntime:
         state.stats.reused_rows += batch
         out_layouts = layouts.get("outputs")
 
+        differentiable = set(g.differentiable)
+
         def backward_fn(cotangents):
+            # An output the update's own graph does not differentiate (the sample passed back
+            # in: a constant there, differentiable in a rollout graph that drew it) brings no
+            # gradient, whatever the kept graph would make of its cotangent.
+            cotangents = [c if j in differentiable else None for j, c in enumerate(cotangents)]
             total: dict[str, Tensor] = {}
 
             def add(grads: dict):

@@ -275,6 +275,83 @@ def test_reweight_refuses_a_loss_on_a_non_scalar_output():
         run(base, flow_grpo_loop, config, "reweight", reference=reference_policy)
 
 
+def _gaussian_step(layer, *, detach_in_log_prob: bool, through_buffer: bool = False):
+    """A sampling step as users write it: draws ``mean + std * noise`` when no ``prev_sample``
+    is given (not detached, as FlowGRPO's ``sde_step_with_logprob``), scores either.
+    ``through_buffer``: the log-prob reads the sample from a buffer it was written into."""
+    def step(x, noise=None, prev_sample=None):
+        mean = layer(x)
+        sample = mean + 0.5 * noise if prev_sample is None else prev_sample.detach()
+        read = sample.detach() if detach_in_log_prob else sample
+        if through_buffer:
+            buffer = torch.zeros(x.shape[0], 2, x.shape[1])
+            buffer[:, 1] = read
+            read = buffer[:, 1]
+        return sample, -((read - mean) ** 2).sum(1) / 0.5
+    return step
+
+
+def _gaussian_loop(layer, step, x, noise, *, with_sample_term: bool):
+    """One rollout call and its update; the update's loss optionally also reads the sample it
+    passed back (a constant there). Returns the weight's gradient."""
+    layer.zero_grad()
+    with step.rollout(), torch.no_grad():
+        sample, _ = step(x, noise=noise)
+    with step.update():
+        out, log_prob = step(x, prev_sample=sample)
+        loss = (log_prob * torch.arange(4.0)).sum()
+        (loss + out.sum() if with_sample_term else loss).backward()
+    return layer.weight.grad.clone()
+
+
+@pytest.mark.parametrize("schedule,through_buffer", [("retain", False), ("reweight", False),
+                                                     ("auto", True)])
+def test_a_log_prob_of_the_undetached_sample_is_refused(schedule, through_buffer):
+    """The rollout's log-prob read the drawn sample without detaching it: the rollout's backward
+    differentiates through the sample (here to exactly zero), the update's holds it constant.
+    Reusing it would be a silently wrong gradient; it is refused with the fix, and recompute
+    gives eager autograd's gradient."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    step_fn = _gaussian_step(layer, detach_in_log_prob=False, through_buffer=through_buffer)
+    x, noise = torch.randn(4, 8), torch.randn(4, 8)
+    step = leancompile.lean_compile(step_fn, backend="aot_eager", schedule=schedule,
+                                    sample_output=0, sample_arg="prev_sample")
+    with pytest.raises(ValueError, match=r"carries gradient into output\(s\) \[1\].*"
+                                         r"prev_sample\.detach\(\).*schedule='recompute'"):
+        _gaussian_loop(layer, step, x, noise, with_sample_term=False)
+    step = leancompile.lean_compile(step_fn, backend="aot_eager", schedule="recompute",
+                                    sample_output=0, sample_arg="prev_sample")
+    got = _gaussian_loop(layer, step, x, noise, with_sample_term=False)
+    sample = layer(x).detach() + 0.5 * noise
+    layer.zero_grad()
+    (step_fn(x, prev_sample=sample)[1] * torch.arange(4.0)).sum().backward()
+    torch.testing.assert_close(got, layer.weight.grad)
+    assert layer.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("schedule,compiler", [("retain", "aot_eager"), ("reweight", "aot_eager"),
+                                               ("retain", "inductor")])
+def test_a_loss_on_the_passed_back_sample_brings_no_gradient(schedule, compiler):
+    """FlowGRPO's spelling (the drawn sample differentiable, the log-prob reading it detached)
+    reuses the rollout; an update loss that also reads the sample output gets no gradient from
+    it (the update passed it in), as in eager autograd, although the rollout graph that drew it
+    differentiates it."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    step_fn = _gaussian_step(layer, detach_in_log_prob=True)
+    x, noise = torch.randn(4, 8), torch.randn(4, 8)
+    step = leancompile.lean_compile(step_fn, backend=compiler, schedule=schedule,
+                                    sample_output=0, sample_arg="prev_sample")
+    got = _gaussian_loop(layer, step, x, noise, with_sample_term=True)
+    assert step.stats.reused_calls == 1 and step.stats.forwards_run == 0, step.stats.summary()
+    sample = layer(x).detach() + 0.5 * noise
+    layer.zero_grad()
+    out, log_prob = step_fn(x, prev_sample=sample)
+    ((log_prob * torch.arange(4.0)).sum() + out.sum()).backward()
+    torch.testing.assert_close(got, layer.weight.grad, rtol=1e-6, atol=1e-6)
+
+
 def test_loop_bench_reports_ratios_reuse_and_regroup_cost():
     from leancompile.benchmarks.loop import format_table, run_loop_bench
 
