@@ -21,6 +21,7 @@ from .report import GraphRecord, GraphSnapshot, graph_code, op_counts
 from .options import OVERLAP_CANDIDATES, CompileOptions
 from .passes import PASSES, PassSpec
 from .passes.result import PassResult, recompile_deferred
+from .runtime.vmap_ops import COLLECTIVE_NAMESPACES
 
 __all__ = ["Pipeline", "DEBUG_ENV", "UnrewrittenCollectiveError", "check_all_rewritten"]
 
@@ -205,9 +206,6 @@ class UnrewrittenCollectiveError(RuntimeError):
     """``strict=True``: the overlap pass left collectives in a graph (each listed with why)."""
 
 
-_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
-
-
 def check_all_rewritten(gm: fx.GraphModule, results: list[PassResult], *, phase: str) -> None:
     """``CompileOptions(strict=True)``: raise ``UnrewrittenCollectiveError`` when ``gm`` still
     holds a collective after the passes, naming each with the reason its pass gave (or that no
@@ -224,7 +222,7 @@ def check_all_rewritten(gm: fx.GraphModule, results: list[PassResult], *, phase:
         if node.op != "call_function":
             continue
         namespace = getattr(node.target, "namespace", None)
-        if namespace not in _COLLECTIVE_NAMESPACES or "wait_tensor" in str(node.target) or \
+        if namespace not in COLLECTIVE_NAMESPACES or "wait_tensor" in str(node.target) or \
                 node.name in chosen:
             continue
         bucket = node.meta.get(BUCKET_META)
