@@ -330,6 +330,13 @@ class _Kept:
     nbytes: int = 0
     samples: list | None = None
     """Reweight: the sample of each row when the rollout named them (buffers per sample)."""
+    watched: list = field(default_factory=list)
+    """(tensor, version) of its outputs and tensor inputs (parameters aside) as the rollout
+    left them: the saved tensors may be views of them."""
+
+    def changed(self) -> bool:
+        """Whether the caller changed an output or input of this call in place since."""
+        return any(t._version != v for t, v in self.watched)
 
 
 class _State:
@@ -367,8 +374,36 @@ class _State:
         """Reweight with ``samples``: sample -> the cotangents its rows brought so far."""
         self.graphs_called: list = []
         self.stats = StepStats()
+        self.stale: str | None = None
+        """Why nothing is kept any more, when an optimizer stepped after the rollout."""
+        self._step_hook = None
+
+    def watch_optimizers(self) -> None:
+        """While something is kept: any ``optimizer.step()`` over a kept call's parameters
+        makes it stale. Fused and 8-bit optimizers (and anything writing through ``.data``)
+        change parameters without bumping the version counters ``_versions`` compares."""
+        if self._step_hook is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._step_hook = register_optimizer_step_post_hook(self._after_step)
+
+    def unwatch_optimizers(self) -> None:
+        """(Never from inside the hook: torch iterates its hooks while calling them.)"""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        if not self.kept:
+            return
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if any(id(kept.args[i]) in stepped for kept in self.kept for i in kept.runtime.params):
+            self.clear()
+            self.stale = (f"the parameters changed since the rollout ({type(optimizer).__name__}"
+                          ".step() ran): kept state is stale")
 
     def add(self, kept: _Kept, keys: list) -> None:
+        self.watch_optimizers()
         self.kept.append(kept)
         for row in kept.rows:
             self.index.setdefault(keys[row], []).append((kept, row))
@@ -507,7 +542,10 @@ class _GraphRuntime:
         return {sym: int(args[i]) for i, sym in self.symbol_inputs.items()}
 
     def _versions(self, args) -> dict:
-        return {self.g.roles[i].source: (args[i]._version, args[i].data_ptr())
+        """Per parameter: its version counter, storage and ``requires_grad`` (a parameter
+        frozen in the rollout has no gradient in what the rollout kept)."""
+        return {self.g.roles[i].source: (args[i]._version, args[i].data_ptr(),
+                                         args[i].requires_grad)
                 for i in self.params}
 
     def _plain(self, args, grad: bool):
@@ -644,6 +682,8 @@ class _GraphRuntime:
                               for key, grads in kept.grads.items() if isinstance(key, tuple)
                               for t in grads.values() if t is not None) + \
                 _buffer_bytes(state) - before
+        kept.watched = [(t, t._version) for i, t in enumerate(list(args) + outputs)
+                        if isinstance(t, Tensor) and i not in self.params]
         keys = self.keys(args, batch, g.fingerprint)
         state.add(kept, keys)
         if g.sample_fingerprint:  # an update passing the drawn sample back matches these keys
@@ -653,10 +693,13 @@ class _GraphRuntime:
         return self._finish(outputs, args)
 
     def scalar_outputs(self, outputs, batch: int) -> list[int]:
-        """Differentiable outputs holding one value per row: what reweight keeps gradients of."""
+        """Differentiable outputs holding one value per row: what reweight keeps gradients of
+        (by the traced shape: an output that does not depend on the batch is not one, even
+        when its length equals this call's batch size)."""
         return [j for j in self.g.differentiable
                 if isinstance(outputs[j], Tensor) and outputs[j].numel() == batch
-                and outputs[j].dim() >= 1 and outputs[j].shape[0] == batch]
+                and outputs[j].dim() >= 1 and outputs[j].shape[0] == batch
+                and _numel_per_row(self.g, j, batch) == 1]
 
     def _choose(self, args, batch, rows) -> tuple[str | None, str]:
         state, g = self.step._state, self.g
@@ -1087,7 +1130,8 @@ class _GraphRuntime:
     def _match(self, args):
         state, g = self.step._state, self.g
         if not state.kept:
-            return None, "nothing kept (not a trained rollout call, or already freed)"
+            return None, state.stale or "nothing kept (not a trained rollout call, or already " \
+                "freed)"
         if any(isinstance(a, Tensor) and a.requires_grad for i, a in enumerate(args)
                if g.roles[i].kind != "param"):
             return None, "an input of the update call requires grad"
@@ -1103,10 +1147,20 @@ class _GraphRuntime:
                 s in c[0].versions and c[0].versions[s] != v for s, v in versions.items())]
             if stale and len(stale) == len(candidates):
                 state.clear()
-                return None, ("the parameters changed since the rollout (an optimizer step, or "
-                              "an in-place change): kept state is stale")
+                return None, ("the parameters changed since the rollout (an optimizer step, an "
+                              "in-place change, or requires_grad set or cleared): kept state is "
+                              "stale")
             fresh = [c for c in candidates if c not in stale]
-            fresh.sort(key=lambda c: c[1] in c[0].used)
+            edited = [c for c in fresh if c[0].changed()]
+            if edited and len(edited) == len(fresh):
+                return None, ("an output or input of the kept rollout call was changed in place "
+                              "after the rollout (what it kept may be views of them): clone "
+                              "before editing, e.g. v = v * dt instead of v.mul_(dt)")
+            fresh = [c for c in fresh if c not in edited]
+            # Rows not yet used first, by this call either (two samples with equal rows, as
+            # DanceGRPO's shared initial noise makes at its first step, each get their own).
+            taken = {(id(k), r) for k, r in assignment}
+            fresh.sort(key=lambda c: ((id(c[0]), c[1]) in taken, c[1] in c[0].used))
             found = next((c for c in fresh if self._same_row(args, row, *c)), None)
             if found is None:
                 return None, f"row {row}: inputs not seen in the rollout (fingerprint collision)"
@@ -1219,10 +1273,13 @@ class _GraphRuntime:
                 update_rows = [i for i, _ in retain]
                 if whole:
                     offset = 0
-                    for kept, rows in retain_runs:
+                    for n, (kept, rows) in enumerate(retain_runs):
                         mine = update_rows[offset:offset + len(rows)]
                         offset += len(rows)
-                        cots = [_rows_of(c, out_layouts, j, batch, mine)
+                        # An output that does not depend on the batch is the same value in
+                        # every kept call: its cotangent goes into one backward, not each.
+                        cots = [None if n and _batch_independent(out_layouts, j) else
+                                _rows_of(c, out_layouts, j, batch, mine)
                                 for j, c in enumerate(cotangents)]
                         kg = kept.runtime
                         grads = kg._backward([kept.saved[k] for k in kg.g.bw_saved],
@@ -1346,6 +1403,11 @@ def _empty_outputs(g: StepGraphs) -> list:
 
     del hint
     return [make(o) for o in outs]
+
+
+def _batch_independent(layouts, j) -> bool:
+    """Output ``j`` does not depend on the batch (the LeanGRPO stage's layout ``None``)."""
+    return layouts is not None and j < len(layouts) and layouts[j] is None
 
 
 def _rows_of(c, layouts, j, batch, rows):
@@ -1549,7 +1611,9 @@ class LeanStep:
         if schedule == "auto" and self.config.defer_reductions:
             raise ValueError("rollout(schedule='auto') with defer_reductions=True: ranks could "
                              "pick different schedules per call; pass retain or reweight")
+        state.unwatch_optimizers()
         state.clear()
+        state.stale = None
         state.schedule = schedule or self.config.schedule
         state.samples = samples
         state.train = _Train(train)
@@ -1601,6 +1665,7 @@ class LeanStep:
                     "sample must reach the update)")
         finally:
             hook.remove()
+            state.unwatch_optimizers()
             state.phase = None
             state.clear()
             state.stats.update_seconds += time.perf_counter() - start
@@ -1626,6 +1691,7 @@ class LeanStep:
         the next update calls recompute; what ``take_deferred_grads`` holds stays."""
         if self._state.phase is not None:
             raise RuntimeError(f"discard_kept() inside {self._state.phase}()")
+        self._state.unwatch_optimizers()
         self._state.clear()
 
     def take_deferred_grads(self) -> list[tuple[Tensor, Tensor]]:

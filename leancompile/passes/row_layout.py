@@ -30,6 +30,7 @@ LeanGRPO pass (``lean_grpo.py``) reads those of the outputs and saved tensors.
 from __future__ import annotations
 
 import operator
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -114,12 +115,17 @@ _ALONG_DIM = {
     aten._softmax.default, aten._log_softmax.default, aten.softmax.int, aten.log_softmax.int,
     aten.index_add.default, aten.index_copy.default, aten.index_fill.int_Scalar,
     aten.argmax.default, aten.argmin.default,
+    torch.ops.prims.rev.default,  # (flip, as Inductor's decompositions spell it)
 }
 _BATCH_MIXING = {aten._native_batch_norm_legit_functional.default,
                  aten._native_batch_norm_legit.default, aten.native_batch_norm.default,
                  aten._native_batch_norm_legit_no_training.default,
                  aten.index_put.default, aten.arange.default,
-                 aten.arange.start, aten.arange.start_step, aten.randperm.default}
+                 aten.arange.start, aten.arange.start_step, aten.randperm.default,
+                 # the source's entries go to the mask's true places in order, across rows
+                 aten.masked_scatter.default}
+# Schema types of size arguments (a batch-dependent size is fine there: a view's shape).
+_SIZE_TYPE = re.compile(r"^(Optional\[)?(List\[)?(int|bool)\]?\]?$")
 _LOOKUPS = {aten.index.Tensor, aten.index_select.default, aten.embedding.default}
 _MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
             aten.baddbmm.default: (1, 2)}
@@ -259,6 +265,10 @@ class _Analysis:
         for layout in layouts:
             if isinstance(layout, Mixed):
                 return layout
+        sized = self.batch_size_as_value(node)
+        if sized is not None:
+            return Mixed(f"{_name(node)} reads the batch size ({sized}) as a value: its result "
+                         "differs with the number of rows a call has")
         val = _val(node)
         lifted = [a for a, lay in zip(inputs, layouts) if isinstance(lay, _Lifted)]
         if lifted:
@@ -301,6 +311,22 @@ class _Analysis:
             # another rank's rows into this one's (a reduction adds them).
             return Mixed(f"{_name(node)}: a collective over the batch dim")
         return self.single(node, carrying, shaped, val)
+
+    def batch_size_as_value(self, node):
+        """The batch-dependent size an op takes as a value (a scalar operand, a fill value:
+        ``h * x.shape[0]``), not as a size (a view's shape, a slice's bounds); else None."""
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or self.symbol is None:
+            return None
+        for i, arg in enumerate(schema.arguments):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if not isinstance(value, fx.Node) or _SIZE_TYPE.match(str(arg.type)):
+                continue
+            v = _val(value)
+            if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) and \
+                    self.symbol in v.node.expr.free_symbols:
+                return v
+        return None
 
     def multi(self, node, carrying, vals):
         if not carrying:
