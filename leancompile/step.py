@@ -380,8 +380,9 @@ class _State:
 
     def watch_optimizers(self) -> None:
         """While something is kept: any ``optimizer.step()`` over a kept call's parameters
-        makes it stale. Fused and 8-bit optimizers (and anything writing through ``.data``)
-        change parameters without bumping the version counters ``_versions`` compares."""
+        makes it stale: fused and 8-bit optimizers change parameters without bumping the
+        version counters ``_versions`` compares (a write through ``.data`` outside an optimizer
+        stays unseen: ``LeanStep.discard_kept``)."""
         if self._step_hook is None:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
