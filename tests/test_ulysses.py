@@ -460,9 +460,7 @@ def test_two_ranks(tmp_path):
 
 
 def test_four_ranks(tmp_path):
-    # (FLUX's and Wan's all-to-alls rewritten on 2 ranks above; FLUX on these 4 ranks is the
-    # mesh's policy below)
-    names = ["block"]
+    names = ["block", "flux"]  # (Wan's all-to-alls on 2 ranks above; this test also trains)
     records = run_ranks(tmp_path, 4, names, mesh=True)
     _check(records, names)
     # GRPO with data parallelism over two sequence-parallel groups of 2 ranks.
