@@ -71,7 +71,8 @@ from .report import Report, record_report
 from .passes.coalesced_sync import find_gradient_reductions, take_out_reductions
 from .runtime.accumulate import accumulating
 from .runtime.frameless import frameless
-from .runtime.reuse import Reused, gather_rows, row_hashes, storage_bytes, whole_hash
+from .runtime.reuse import (Reused, gather_rows, row_hashes, storage_bytes, values_digest,
+                            whole_hash)
 from .runtime.vmap_ops import agree_min, unbatchable_collectives, vmap_friendly
 
 __all__ = ["lean_compile", "LeanStep", "StepConfig", "StepStats", "StepReport", "SCHEDULES",
@@ -375,14 +376,18 @@ class _State:
         self.graphs_called: list = []
         self.stats = StepStats()
         self.stale: str | None = None
-        """Why nothing is kept any more, when an optimizer stepped after the rollout."""
+        """Why nothing is kept any more, when the parameters changed after the rollout."""
         self._step_hook = None
+        self.digest: tuple | None = None
+        """(trainable parameters, ``values_digest`` of them) at the rollout's first kept call:
+        compared by each update call, for writes through ``.data`` (manual SGD, an EMA copied
+        in) that neither version counters nor the optimizer hook see."""
 
     def watch_optimizers(self) -> None:
         """While something is kept: any ``optimizer.step()`` over a kept call's parameters
         makes it stale: fused and 8-bit optimizers change parameters without bumping the
-        version counters ``_versions`` compares (a write through ``.data`` outside an optimizer
-        stays unseen: ``LeanStep.discard_kept``)."""
+        version counters ``_versions`` compares (writes through ``.data`` outside an optimizer:
+        ``digest``)."""
         if self._step_hook is None:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -456,6 +461,7 @@ class _State:
         self.kept.clear()
         self.index.clear()
         self.kept_bytes = self.buffer_bytes = 0
+        self.digest = None
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -685,6 +691,9 @@ class _GraphRuntime:
                 _buffer_bytes(state) - before
         kept.watched = [(t, t._version) for i, t in enumerate(list(args) + outputs)
                         if isinstance(t, Tensor) and i not in self.params]
+        if state.digest is None:
+            trainable = [args[i] for i in self.params if args[i].requires_grad]
+            state.digest = (trainable, values_digest(trainable))
         keys = self.keys(args, batch, g.fingerprint)
         state.add(kept, keys)
         if g.sample_fingerprint:  # an update passing the drawn sample back matches these keys
@@ -1137,6 +1146,16 @@ class _GraphRuntime:
                if g.roles[i].kind != "param"):
             return None, "an input of the update call requires grad"
         versions = self._versions(args)
+        if state.digest is not None and not torch.equal(values_digest(state.digest[0]),
+                                                        state.digest[1]):
+            counted = any(k.versions.get(s, v) != v for k in state.kept
+                          for s, v in versions.items())
+            state.clear()
+            state.stale = "the parameters changed since the rollout (" + (
+                "an optimizer step, or an in-place change" if counted else
+                "their values, not their version counters: written through .data outside an "
+                "optimizer") + "): kept state is stale"
+            return None, state.stale
         batch = self._batch(args)
         keys = self.keys(args, batch, self._fingerprint_for(args, batch))
         assignment = []

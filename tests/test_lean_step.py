@@ -564,3 +564,23 @@ def test_rows_mixed_by_a_reversal_a_masked_scatter_or_the_batch_size(op, schedul
         (out.exp() * weights[rows].reshape(out.shape[0], -1)[:, :out[0].numel()]
          .reshape(out.shape)).sum().backward()
     assert rel_l2(_grads(model), _grads(reference)) <= 1e-6
+
+
+@pytest.mark.parametrize("schedule", ["retain", "reweight"])
+def test_parameters_written_through_data_make_what_was_kept_stale(schedule):
+    """Manual SGD through ``.data`` between the rollout and the update: no version counter
+    moves; the values' digest does."""
+    model, reference = _mlp(), _mlp()
+    step = leancompile.lean_compile(lambda x: model(x).squeeze(-1), backend="aot_eager",
+                                    schedule=schedule)
+    x = torch.randn(4, 4)
+    with step.rollout(), torch.no_grad():
+        step(x)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        p.data.add_(0.1)
+        q.data.add_(0.1)
+    with step.update():
+        (step(x) * torch.arange(4.0)).sum().backward()
+    (reference(x).squeeze(-1) * torch.arange(4.0)).sum().backward()
+    assert rel_l2(_grads(model), _grads(reference)) <= 1e-6
+    assert any("written through .data" in r for r in step.stats.recomputed), step.stats.summary()

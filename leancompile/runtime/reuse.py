@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["row_hashes", "whole_hash", "gather_rows", "Reused", "storage_bytes"]
+__all__ = ["row_hashes", "whole_hash", "gather_rows", "Reused", "storage_bytes",
+           "values_digest"]
 
 _WEIGHTS: dict = {}
 
@@ -63,6 +64,22 @@ def whole_hash(t: Tensor) -> int:
     words = _as_words(t, 1)
     body = int((words * _weights(words.shape[1], words.device)).sum()) if words.shape[1] else 0
     return hash((body, tuple(t.shape), str(t.dtype)))
+
+
+def values_digest(tensors) -> Tensor:
+    """One int64 per tensor: the sum of its bits as 32- or 16-bit words, reduced in place (no
+    copy of a contiguous tensor). A write that changes the values changes it but for a
+    coincidence: a cheap check, not a proof (``LeanStep`` compares it to notice parameters
+    written through ``.data``, which version counters do not see)."""
+    sums = []
+    for t in tensors:
+        words = t.detach().reshape(-1).view(torch.uint8)
+        for dtype, size in ((torch.int32, 4), (torch.int16, 2)):
+            if words.numel() % size == 0:
+                words = words.view(dtype)
+                break
+        sums.append(words.sum(dtype=torch.int64))
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
 
 
 def gather_rows(pieces: list[tuple[Tensor, int, list[int]]], outer: int, inner: int) -> Tensor:
