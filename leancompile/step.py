@@ -54,6 +54,7 @@ import dataclasses
 import logging
 import os
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -391,7 +392,16 @@ class _State:
         if self._step_hook is None:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
-            self._step_hook = register_optimizer_step_post_hook(self._after_step)
+            # (a weak reference: a step dropped between its rollout and update is freed with
+            # what it kept; its hook then does nothing)
+            this = weakref.ref(self)
+
+            def after_step(optimizer, args, kwargs):
+                state = this()
+                if state is not None:
+                    state._after_step(optimizer, args, kwargs)
+
+            self._step_hook = register_optimizer_step_post_hook(after_step)
 
     def unwatch_optimizers(self) -> None:
         """(Never from inside the hook: torch iterates its hooks while calling them.)"""

@@ -584,3 +584,26 @@ def test_parameters_written_through_data_make_what_was_kept_stale(schedule):
     (reference(x).squeeze(-1) * torch.arange(4.0)).sum().backward()
     assert rel_l2(_grads(model), _grads(reference)) <= 1e-6
     assert any("written through .data" in r for r in step.stats.recomputed), step.stats.summary()
+
+
+def test_parameters_that_are_views_of_one_flat_buffer():
+    """Parameters at offsets no word size divides (a flat buffer, as ZeRO-style sharding keeps
+    them): the digest reads them; the update reuses the rollout and matches eager."""
+    from torch.nn.utils import parameters_to_vector
+
+    model, reference = _mlp(), _mlp()
+    flat = torch.cat([torch.zeros(1), parameters_to_vector(model.parameters()).detach()])
+    offset = 0
+    for p in model.parameters():  # from offset 1 (4 bytes): not a multiple of 8
+        p.data = flat[1 + offset:1 + offset + p.numel()].view_as(p)
+        offset += p.numel()
+    step = leancompile.lean_compile(lambda x: model(x).squeeze(-1), backend="aot_eager",
+                                    schedule="retain")
+    x = torch.randn(4, 4)
+    with step.rollout(), torch.no_grad():
+        step(x)
+    with step.update():
+        (step(x) * torch.arange(4.0)).sum().backward()
+    (reference(x).squeeze(-1) * torch.arange(4.0)).sum().backward()
+    assert step.stats.reused_calls == 1, step.stats.summary()
+    assert rel_l2(_grads(model), _grads(reference)) <= 1e-6

@@ -79,7 +79,8 @@ def values_digest(tensors) -> Tensor:
             continue  # (no values to read)
         words = t.detach().reshape(-1).view(torch.uint8)
         for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-            if words.numel() % size == 0:
+            # (a view of a flat buffer may start at an offset no word size divides)
+            if words.numel() % size == 0 and words.storage_offset() % size == 0:
                 words = words.view(dtype)
                 break
         sums.append(words.sum(dtype=torch.int64))
