@@ -437,19 +437,28 @@ def test_a_fused_optimizer_step_makes_what_was_kept_stale(schedule):
     assert any("AdamW.step() ran" in r for r in step.stats.recomputed), step.stats.summary()
 
 
-@pytest.mark.parametrize("schedule", ["retain", "reweight"])
-def test_a_parameter_frozen_in_the_rollout_and_trained_in_the_update(schedule):
-    model, reference = _mlp(), _mlp()
+def _weighted_rollout_and_update(model, reference, schedule, *, between=None):
+    """One rollout call on 4 rows and the update repeating it (a per-row weighted loss), with
+    ``between()`` run in between; the reference's gradient taken eagerly. Returns the step."""
     step = leancompile.lean_compile(lambda x: model(x).squeeze(-1), backend="aot_eager",
                                     schedule=schedule)
     x = torch.randn(4, 4)
-    model[0].weight.requires_grad_(False)
     with step.rollout(), torch.no_grad():
         step(x)
-    model[0].weight.requires_grad_(True)
+    if between is not None:
+        between()
     with step.update():
         (step(x) * torch.arange(4.0)).sum().backward()
     (reference(x).squeeze(-1) * torch.arange(4.0)).sum().backward()
+    return step
+
+
+@pytest.mark.parametrize("schedule", ["retain", "reweight"])
+def test_a_parameter_frozen_in_the_rollout_and_trained_in_the_update(schedule):
+    model, reference = _mlp(), _mlp()
+    model[0].weight.requires_grad_(False)
+    step = _weighted_rollout_and_update(model, reference, schedule,
+                                        between=lambda: model[0].weight.requires_grad_(True))
     assert rel_l2(_grads(model), _grads(reference)) <= 1e-6
     assert any("requires_grad" in r for r in step.stats.recomputed), step.stats.summary()
 
@@ -571,17 +580,13 @@ def test_parameters_written_through_data_make_what_was_kept_stale(schedule):
     """Manual SGD through ``.data`` between the rollout and the update: no version counter
     moves; the values' digest does."""
     model, reference = _mlp(), _mlp()
-    step = leancompile.lean_compile(lambda x: model(x).squeeze(-1), backend="aot_eager",
-                                    schedule=schedule)
-    x = torch.randn(4, 4)
-    with step.rollout(), torch.no_grad():
-        step(x)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        p.data.add_(0.1)
-        q.data.add_(0.1)
-    with step.update():
-        (step(x) * torch.arange(4.0)).sum().backward()
-    (reference(x).squeeze(-1) * torch.arange(4.0)).sum().backward()
+
+    def manual_sgd():
+        for p, q in zip(model.parameters(), reference.parameters()):
+            p.data.add_(0.1)
+            q.data.add_(0.1)
+
+    step = _weighted_rollout_and_update(model, reference, schedule, between=manual_sgd)
     assert rel_l2(_grads(model), _grads(reference)) <= 1e-6
     assert any("written through .data" in r for r in step.stats.recomputed), step.stats.summary()
 
@@ -597,13 +602,6 @@ def test_parameters_that_are_views_of_one_flat_buffer():
     for p in model.parameters():  # from offset 1 (4 bytes): not a multiple of 8
         p.data = flat[1 + offset:1 + offset + p.numel()].view_as(p)
         offset += p.numel()
-    step = leancompile.lean_compile(lambda x: model(x).squeeze(-1), backend="aot_eager",
-                                    schedule="retain")
-    x = torch.randn(4, 4)
-    with step.rollout(), torch.no_grad():
-        step(x)
-    with step.update():
-        (step(x) * torch.arange(4.0)).sum().backward()
-    (reference(x).squeeze(-1) * torch.arange(4.0)).sum().backward()
+    step = _weighted_rollout_and_update(model, reference, "retain")
     assert step.stats.reused_calls == 1, step.stats.summary()
     assert rel_l2(_grads(model), _grads(reference)) <= 1e-6

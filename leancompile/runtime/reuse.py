@@ -37,15 +37,20 @@ def _weights(n: int, device) -> Tensor:
     return w
 
 
+def _words(as_bytes: Tensor, sizes=((torch.int32, 4), (torch.int16, 2))) -> Tensor:
+    """``as_bytes`` (uint8, last dim contiguous) viewed as the widest word of ``sizes`` that
+    its last dim and its offset allow (a view of a flat buffer may start at an offset no word
+    size divides); bytes otherwise."""
+    for dtype, size in sizes:
+        if as_bytes.shape[-1] % size == 0 and as_bytes.storage_offset() % size == 0:
+            return as_bytes.view(dtype)
+    return as_bytes
+
+
 def _as_words(t: Tensor, rows: int) -> Tensor:
     """The bits of ``t`` as ``[rows, words]`` int64 (whatever its dtype)."""
     flat = t.detach().contiguous().reshape(rows, -1)
-    as_bytes = flat.view(torch.uint8)
-    nbytes = as_bytes.shape[1]
-    for dtype, size in ((torch.int32, 4), (torch.int16, 2)):
-        if nbytes % size == 0:
-            return as_bytes.view(dtype).to(torch.int64)
-    return as_bytes.to(torch.int64)
+    return _words(flat.view(torch.uint8)).to(torch.int64)
 
 
 def row_hashes(t: Tensor, batch: int) -> list[int]:
@@ -77,12 +82,8 @@ def values_digest(tensors) -> Tensor:
         t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's part
         if t.is_meta or t.layout != torch.strided:
             continue  # (no values to read)
-        words = t.detach().reshape(-1).view(torch.uint8)
-        for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-            # (a view of a flat buffer may start at an offset no word size divides)
-            if words.numel() % size == 0 and words.storage_offset() % size == 0:
-                words = words.view(dtype)
-                break
+        words = _words(t.detach().reshape(-1).view(torch.uint8),
+                       ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)))
         sums.append(words.sum(dtype=torch.int64))
     if not sums:
         return torch.zeros(0, dtype=torch.int64)
