@@ -192,6 +192,9 @@ class StepGraphs:
     """The backward graph as aten ops that run eagerly (after the pipeline with ``aot_eager``;
     before Inductor's lowering otherwise): what batched Reweight runs under ``torch.func.vmap``
     (one batch-1 backward per row, vectorised)."""
+    traced_frozen: list[int] = field(default_factory=list)
+    """Tensor inputs that did not require grad when the graphs were traced: the backward
+    computes no gradient for them (``leancompile.step`` refuses a call where one now does)."""
     _kept_bytes_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """``kept_bytes`` by batch (substituting into sympy expressions costs milliseconds, and the
     trainer and the wrapper ask on every call)."""
@@ -639,4 +642,6 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
         sample_fingerprint=sample_fp, key_inputs=key_inputs, sample_key_inputs=sample_keys,
         random_ops=random_ops, dynamo_graph=gm, sample_output=sample_output,
         sample_grad_outputs=_sample_gradient_outputs(gm, sample_output),
-        kept_roots=kept_roots, backward_aten=backward_aten, regather=regather)
+        kept_roots=kept_roots, backward_aten=backward_aten, regather=regather,
+        traced_frozen=[i for i, v in enumerate(example_inputs)
+                       if isinstance(v, torch.Tensor) and not v.requires_grad])

@@ -53,6 +53,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import time
 import weakref
 from collections import Counter
@@ -77,7 +78,7 @@ from .runtime.reuse import (Reused, gather_rows, row_hashes, storage_bytes, valu
 from .runtime.vmap_ops import agree_min, unbatchable_collectives, vmap_friendly
 
 __all__ = ["lean_compile", "LeanStep", "StepConfig", "StepStats", "StepReport", "SCHEDULES",
-           "free_memory_bytes"]
+           "free_memory_bytes", "synchronize"]
 
 log = logging.getLogger("leancompile")
 
@@ -484,6 +485,25 @@ def free_memory_bytes(device: torch.device) -> int:
         return 8 << 30
 
 
+def _readable(source: str) -> str:
+    """A Dynamo source as a user names it: ``L['self']._modules['fc']._parameters['weight']``
+    -> ``self.fc.weight``."""
+    text = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", source)
+    text = re.sub(r"^G\['__import_[^']*'\]\.", "", text)
+    return re.sub(r"^[LG]\['([^']*)'\]", r"\1", text)
+
+
+def synchronize(device: torch.device | None = None) -> None:
+    """Wait until ``device`` (None: the current CUDA device, if CUDA was used) has run the work
+    queued on it, so that a host clock read next times that work: CUDA kernels run after
+    the Python that launched them has returned; the host runs its own at once."""
+    if device is None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+    elif device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # ---------------------------------------------------------------------------------------------
 # One Dynamo graph at run time
 
@@ -529,6 +549,8 @@ class _GraphRuntime:
         grad = state.grad_mode
         if state.phase == "plan":  # compiled, not run: outputs of the right metadata
             return self._finish(_empty_outputs(self.g), args)
+        if grad or state.phase == "rollout":
+            self._check_frozen(args)
         if state.phase == "rollout" and state.current is not None and self.g.trainable:
             return self._rollout(args, state.current, grad)
         if state.phase == "update" and self.g.trainable and grad:
@@ -538,6 +560,22 @@ class _GraphRuntime:
         return self._plain(args, grad)
 
     # -- helpers -----------------------------------------------------------------------------
+    def _check_frozen(self, args) -> None:
+        """Refuse a call where an input that did not require grad when the graphs were traced
+        now does: their backward has no gradient for it. Dynamo recompiles for such a change
+        of an input's ``requires_grad``, but torch 2.11 does not for a parameter read from a
+        module (plain ``torch.compile`` there leaves its ``.grad`` empty)."""
+        changed = [_readable(self.g.roles[i].source) for i in self.g.traced_frozen
+                   if args[i].requires_grad]
+        if changed:
+            raise RuntimeError(
+                f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} now "
+                f"require{'s' if len(changed) == 1 else ''} grad but did not when this graph "
+                "was compiled, and torch "
+                f"{torch.__version__} did not recompile it: its backward would give them no "
+                "gradient. Set requires_grad before the first compiled call, or call "
+                "torch._dynamo.reset() after changing it (torch 2.13 recompiles by itself)")
+
     def _batch(self, args) -> int:
         for i, role in enumerate(self.g.roles):
             if role.batch_rows:
