@@ -47,6 +47,7 @@ __all__ = ["BenchConfig", "EagerResult", "eager_flow_grpo_gradients", "run_grpo_
            "format_table", "main"]
 
 COMPILERS = ("aot_eager", "inductor")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SCHEDULES = ("recompute", "retain", "reweight")
 
 
@@ -86,10 +87,27 @@ class BenchConfig:
     ``compiler``. After construction this is never None."""
     seed: int = 0
     threads: int | None = None
+    device: str = "cpu"
+    """Where the model runs: ``cpu`` or ``cuda`` (``cuda:N``); every timer waits for the
+    device's queued work (``leancompile.step.synchronize``)."""
+    dtype: str = "float32"
+    """The transformer's weights: ``float32`` or ``bfloat16`` (the SDE and log-probs stay
+    float32, as in FlowGRPO and DanceGRPO)."""
 
     def __post_init__(self):
         if self.model not in ("flux", "wan"):
             raise ValueError(f"model={self.model!r}; use 'flux' or 'wan'")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; use one of {tuple(DTYPES)}")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as error:
+            raise ValueError(f"device={self.device!r}: {error}") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}; use 'cpu' or 'cuda' ('cuda:N')")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r}, but this torch sees no CUDA device "
+                             f"(torch {torch.__version__}); use device='cpu'")
         unknown = set(self.schedules) - set(SCHEDULES)
         if unknown or "recompute" not in self.schedules:
             raise ValueError(f"schedules={self.schedules}: pick from recompute, retain, reweight "
@@ -131,6 +149,7 @@ def build_policy(config: BenchConfig):
             num_single_layers=config.layers, attention_head_dim=64, num_attention_heads=heads,
             joint_attention_dim=config.hidden, pooled_projection_dim=config.hidden,
             axes_dims_rope=[16, 24, 24], guidance_embeds=True).eval()
+        transformer.to(config.device, DTYPES[config.dtype])
         return FluxPolicy(transformer, num_inference_steps=config.steps, height=config.latent,
                           width=config.latent, vae_scale_factor=1)
     from diffusers import WanTransformer3DModel
@@ -140,6 +159,7 @@ def build_policy(config: BenchConfig):
         out_channels=16, text_dim=config.hidden, freq_dim=256, ffn_dim=2 * config.hidden,
         num_layers=config.layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
         rope_max_seq_len=1024).eval()
+    transformer.to(config.device, DTYPES[config.dtype])
     return WanPolicy(transformer, num_inference_steps=config.steps, height=config.latent * 8,
                      width=config.latent * 8, num_frames=config.frames, guidance_scale=5.0,
                      flow_shift=3.0)
@@ -185,6 +205,7 @@ def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Ten
     from ..grpo.rewards import check_rewards
     from ..grpo.sde import sde_step
     from ..grpo.layout import draw_samples, step_seed
+    from ..step import synchronize
 
     if config.beta > 0:
         raise ValueError("the eager FlowGRPO row has no KL term; use beta=0")
@@ -204,7 +225,8 @@ def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Ten
                          group_size=config.group_size, num_steps=num_steps,
                          seed=step_seed(generator), init_same_noise=config.init_same_noise)
     selected, latents, noise = draws.selected, draws.latents0, draws.noise
-    sigmas = sigmas.to(latents.device)
+    device = latents.device
+    sigmas = sigmas.to(device)
 
     def transition(x, step, **sample):
         velocity = policy.velocity(x, step, {k: cond[k] for k in keys})
@@ -216,9 +238,10 @@ def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Ten
     start = time.perf_counter()
     with torch.no_grad():
         x = latents
-        trajectory, log_probs = [x], torch.zeros(batch, num_steps)
+        trajectory, log_probs = [x], torch.zeros(batch, num_steps, device=device)
         for k in range(num_steps):
-            out = transition(x, torch.full((batch,), k, dtype=torch.long), noise=noise[k])
+            out = transition(x, torch.full((batch,), k, dtype=torch.long, device=device),
+                             noise=noise[k])
             x = out.prev_sample
             trajectory.append(x)
             log_probs[:, k] = out.log_prob
@@ -227,6 +250,7 @@ def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Ten
         advantages = group_advantages(
             rewards, group_ids_for(num_prompts, config.group_size),
             AdvantageConfig(global_std=config.global_std, adv_clip_max=config.adv_clip_max))
+    synchronize(device)
     rollout_seconds = time.perf_counter() - start
 
     # FlowGRPO's update: for the j-th selected step of every sample, a forward with grad, the
@@ -234,7 +258,8 @@ def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Ten
     # backward; accelerate's gradient accumulation over the selected steps divides each loss
     # by their number.
     start = time.perf_counter()
-    rows = torch.arange(batch)
+    rows = torch.arange(batch, device=device)
+    selected = selected.to(device)
     num_selected = selected.shape[1]
     adv = torch.clamp(advantages, -config.adv_clip_max, config.adv_clip_max)
     ratio_error = 0.0
@@ -251,6 +276,7 @@ def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Ten
     for name, p in params:
         grads[name] = torch.zeros_like(p) if p.grad is None else p.grad
         p.grad = None
+    synchronize(device)
     update_seconds = time.perf_counter() - start
     return EagerResult(grads=grads, rewards=rewards, advantages=advantages,
                        rollout_seconds=rollout_seconds, update_seconds=update_seconds,
@@ -284,7 +310,7 @@ def _step_times(trainer, policy, conditions, config: BenchConfig, gen) -> dict:
     lean = trainer.lean_step(keys)
     latents = policy.initial_latents(batch, gen()).float()
     cond = [conditions[k].repeat_interleave(config.group_size, 0) for k in keys]
-    args = [latents, torch.full((batch,), 1, dtype=torch.long)] + cond
+    args = [latents, torch.full((batch,), 1, dtype=torch.long, device=latents.device)] + cond
     noise = torch.randn_like(latents)
     return step_times(lambda: lean(*args, noise=noise), lambda out: out[1].sum(),
                       policy.parameters())
@@ -423,10 +449,11 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
         "config": {**asdict(config), "sde": sde, "batch": config.prompts * config.group_size,
                    "selected_steps": num_selected,
                    "tokens": (config.latent // 2) ** 2 if config.model == "flux" else None,
-                   "threads": torch.get_num_threads(), "device": "cpu",
+                   "threads": torch.get_num_threads(),
+                   "device_name": _device_name(config.device),
                    "world_size": world, "parallel": parallel,
-                   "note": "tiny random-init model; compute dominates Python overhead at these "
-                           "sizes on CPU"},
+                   "note": "random-init model; the defaults are sized so that compute "
+                           "dominates Python overhead on a CPU"},
         "step_times": first["step_times"],
         "ideal_ratio": first["ideal_ratio"],
         **{k: first[k] for k in ("best_lean_schedule", "best_fraction_of_ideal",
@@ -438,6 +465,14 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
                                "ratio_to_eager": best_entry["ratio_to_eager"],
                                "ratio_to_eager_min": best_entry["ratio_to_eager_min"]},
     }
+
+
+def _device_name(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    import platform
+
+    return platform.processor() or platform.machine() or "cpu"
 
 
 def _eager_row(eager, eager_grad, base, base_grad) -> None:
@@ -551,6 +586,12 @@ def main(argv=None) -> int:
                    help="comma list of compilers to time the schedules under in one run, e.g. "
                         "aot_eager,inductor (the first gives the top-level rows); default: "
                         "--compiler")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda (cuda:N): where the model and the rollout run")
+    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
+                   help="the transformer's weights (the SDE and log-probs stay float32)")
+    p.add_argument("--text-length", type=int, default=32, help="prompt tokens")
+    p.add_argument("--frames", type=int, default=5, help="Wan: video frames")
     p.add_argument("--json", action="store_true", help="print the report as JSON (logs go to "
                                                        "stderr)")
     add_malloc_flag(p)
@@ -569,7 +610,8 @@ def main(argv=None) -> int:
                              fraction=ns.fraction, repeats=ns.repeats, parallel=ns.parallel,
                              grad_sync=ns.grad_sync, compiler=compilers[0],
                              bucket_cap_mb=ns.bucket_cap_mb or None,
-                             compilers=compilers)
+                             compilers=compilers, device=ns.device, dtype=ns.dtype,
+                             text_length=ns.text_length, frames=ns.frames)
     except ValueError as error:
         p.error(str(error))
     import torch.distributed as dist

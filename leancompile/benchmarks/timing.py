@@ -13,17 +13,22 @@ from typing import Callable
 
 import torch
 
+from ..step import synchronize
+
 __all__ = ["median_seconds", "step_times", "ideal_ratio", "add_malloc_flag", "apply_malloc_flag",
            "join_torchrun"]
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
-    """The median of ``repeats`` timed calls of ``fn``, after one untimed call."""
+    """The median of ``repeats`` timed calls of ``fn``, after one untimed call (each call's
+    time includes the CUDA work it queued)."""
     fn()
+    synchronize()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -38,8 +43,10 @@ def step_times(call: Callable[[], object], loss: Callable[[object], torch.Tensor
 
     def backward():
         out = call()
+        synchronize()
         start = time.perf_counter()
         loss(out).backward()
+        synchronize()
         return time.perf_counter() - start
 
     backward()

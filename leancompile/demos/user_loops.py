@@ -165,8 +165,8 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
                 x = policy.initial_latents(rows, gen).float()
                 traj, lps = [x], []
                 for k in range(steps):
-                    index = torch.full((rows,), k, dtype=torch.long)
-                    noise = torch.randn(x.shape, generator=gen)
+                    index = torch.full((rows,), k, dtype=torch.long, device=x.device)
+                    noise = torch.randn(x.shape, generator=gen).to(x.device)
                     x, lp, _, _ = _transition(policy, fn, config, x, index, cond, noise=noise)
                     traj.append(x)
                     lps.append(lp)
@@ -195,7 +195,7 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
                 rows = perm[b:b + config.train_batch]
                 cond = _rows(conditions, rows)
                 for j in range(n_train):
-                    k = timesteps[rows, j]
+                    k = timesteps[rows, j].to(trajectories.device)
                     x, x_next = trajectories[rows, k], trajectories[rows, k + 1]
                     _, lp, mean, kl_std = _transition(policy, fn, config, x, k, cond,
                                                       prev_sample=x_next)
@@ -248,8 +248,8 @@ def dance_grpo_loop(policy, fn, config: LoopConfig, *, seed: int = 0,
                 policy.initial_latents(total, gen).float()
             traj, lps = [x], []
             for k in range(steps):
-                index = torch.full((total,), k, dtype=torch.long)
-                noise = torch.randn(x.shape, generator=gen)
+                index = torch.full((total,), k, dtype=torch.long, device=x.device)
+                noise = torch.randn(x.shape, generator=gen).to(x.device)
                 x, lp, _, _ = _transition(policy, fn, config, x, index, conditions, noise=noise)
                 traj.append(x)
                 lps.append(lp)
@@ -268,7 +268,7 @@ def dance_grpo_loop(policy, fn, config: LoopConfig, *, seed: int = 0,
             for i in range(total):
                 cond = _rows(conditions, slice(i, i + 1))
                 for k in chosen[i].tolist():
-                    index = torch.full((1,), k, dtype=torch.long)
+                    index = torch.full((1,), k, dtype=torch.long, device=trajectories.device)
                     x, x_next = trajectories[i:i + 1, k], trajectories[i:i + 1, k + 1]
                     _, lp, _, _ = _transition(policy, fn, config, x, index, cond,
                                               prev_sample=x_next)

@@ -112,6 +112,7 @@ def group_advantages(rewards: Tensor, group_ids: Tensor,
         raise ValueError(f"rewards of samples {shown}{more} are not finite: {values}; fix the "
                          "reward function or drop these samples before computing advantages")
 
+    group_ids = group_ids.to(r.device)  # (labels built on the host, rewards on a device)
     _, index = torch.unique(group_ids, return_inverse=True)
     num = int(index.max()) + 1
     counts = torch.zeros(num, dtype=torch.float64, device=r.device)

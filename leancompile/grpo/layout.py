@@ -199,8 +199,9 @@ def draw_samples(policy, *, selection: TimestepSelection, num_prompts: int, grou
             x = policy.initial_latents(1, generator(b))
         x = x.float()
         latents[b] = x[0]
+        # (drawn on the host, as the generators are: the same noise on any device)
         noises[b] = torch.randn((num_steps,) + tuple(x.shape[1:]), generator=generator(b),
-                                dtype=torch.float32, device=x.device)
+                                dtype=torch.float32).to(x.device)
         first = x
     if first is None:  # nothing drawn on this rank: shapes from one throw-away latent
         first = policy.initial_latents(1, torch.Generator().manual_seed(0)).float()

@@ -24,12 +24,23 @@ import torch.distributed as dist
 
 from .layout import worker_groups
 
-__all__ = ["PARALLEL", "AllRanks", "DataParallel", "PeerFailureError", "RankMismatchError"]
+__all__ = ["PARALLEL", "AllRanks", "DataParallel", "PeerFailureError", "RankMismatchError",
+           "comm_device"]
 
 PARALLEL = (None, "ddp", "fsdp")
 # What the c10d backends say when a peer is gone or a collective timed out.
 _PEER_FAILURES = ("Connection reset", "onnection closed", "Timed out", "timed out",
                   "ncclRemoteError", "communicator was aborted")
+
+
+def comm_device(group) -> torch.device:
+    """The device whose tensors ``group``'s collectives take: the current CUDA device under
+    NCCL alone; the host under gloo, or a group with a host backend beside NCCL
+    (``"cpu:gloo,cuda:nccl"``)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class RankMismatchError(RuntimeError):
@@ -56,6 +67,7 @@ class DataParallel:
         self.other_collectives = self.other_bytes = 0
         if parallel is None:
             self.group, self.rank, self.world_size, self._sub = None, 0, 1, {}
+            self.device = torch.device("cpu")
             return
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -63,6 +75,9 @@ class DataParallel:
                 "dist.init_process_group(...) first (torchrun sets the environment; "
                 "backend 'gloo' on CPU, 'nccl' on GPU)")
         self.group = dist.group.WORLD if group is None else group
+        self.device = comm_device(self.group)
+        """Where the group's collectives take the trainer's own tensors (counts, scores,
+        log-probs): the current CUDA device under NCCL, else the host."""
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._globals = dist.get_process_group_ranks(self.group)
@@ -146,9 +161,12 @@ class DataParallel:
     def _all_reduce(self, tensor, op=None, ranks=None, *, sync=False, what="an all-reduce"):
         if not self.distributed or (ranks is not None and len(ranks) <= 1):
             return tensor
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op,
+        moved = tensor.to(self.device)
+        work = dist.all_reduce(moved, op=dist.ReduceOp.SUM if op is None else op,
                                group=self._group_for(ranks), async_op=True)
         self._wait(work, what)
+        if moved is not tensor:
+            tensor.copy_(moved)
         nbytes = tensor.numel() * tensor.element_size()
         if sync:
             self.sync_collectives += 1
@@ -174,7 +192,7 @@ class DataParallel:
         if not self.distributed:
             return
         digest = int.from_bytes(hashlib.sha256(value.encode()).digest()[:7], "little")
-        t = torch.tensor([digest, -digest], dtype=torch.int64)
+        t = torch.tensor([digest, -digest], dtype=torch.int64, device=self.device)
         self._all_reduce(t, dist.ReduceOp.MAX)
         if t[0].item() == digest and -t[1].item() == digest:
             return
@@ -198,7 +216,7 @@ class DataParallel:
         if not self.distributed:
             return values
         mask = owned.reshape((-1,) + (1,) * (values.ndim - 1))
-        out = torch.where(mask, values, torch.zeros((), dtype=values.dtype))
+        out = torch.where(mask.to(values.device), values, torch.zeros((), dtype=values.dtype))
         return self._all_reduce(out.contiguous(), ranks=ranks,
                                 what="gathering rewards / log-probs")
 
@@ -207,7 +225,7 @@ class DataParallel:
         rank."""
         if not self.distributed:
             return value
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         self._wait(dist.broadcast(t, group_src=0, group=self.group, async_op=True),
                    "a broadcast from rank 0")
         self.other_collectives += 1

@@ -38,7 +38,7 @@ from ..passes.lean_grpo import (SCHEDULES, SchedulePlan, ScheduleReport, StepCos
                                 build_schedule_plans, choose_schedule, graph_flops,
                                 reweight_rows_per_backward)
 from ..passes.result import format_bytes
-from ..step import LeanStep, StepConfig, free_memory_bytes
+from ..step import LeanStep, StepConfig, free_memory_bytes, synchronize
 from .advantages import AdvantageConfig, group_advantages, group_ids_for
 from .rewards import check_rewards
 from .sde import SDE_KINDS, sde_step
@@ -375,7 +375,7 @@ class GRPOTrainer:
         n = latents.shape[0]
         sp = self._sequence_sync
         if sp is None or not sp.distributed or not self.config.split_rewards:
-            return check_rewards(self.reward_fn(latents, cond), n)
+            return check_rewards(self.reward_fn(latents, cond), n).to("cpu")
         mine = torch.arange(sp.rank, n, sp.world_size)
         # One collective: the scores and, last, how many ranks failed (a rank whose share
         # raised must not leave its peers waiting for its scores).
@@ -385,7 +385,7 @@ class GRPOTrainer:
             try:
                 scores[mine] = check_rewards(
                     self.reward_fn(latents[mine], {k: v[mine] for k, v in cond.items()}),
-                    mine.numel())
+                    mine.numel()).to("cpu")
             except Exception as err:  # raised below, after the peers know
                 error = err
                 scores[n] = 1
@@ -551,7 +551,7 @@ class GRPOTrainer:
     def _call_args(self, x, k: int, cond_list, local) -> list:
         """The positional arguments of a step call on the rows ``local`` (with a placeholder
         reference mean for the KL, filled in for trained calls)."""
-        step = torch.full((local.numel(),), k, dtype=torch.long)
+        step = torch.full((local.numel(),), k, dtype=torch.long, device=x.device)
         args = [x[local], step] + [c[local] for c in cond_list]
         if self.config.beta > 0:
             args.append(torch.zeros_like(args[0]))
@@ -955,10 +955,14 @@ class GRPOTrainer:
         adv_config = AdvantageConfig(global_std=cfg.global_std, adv_clip_max=cfg.adv_clip_max)
         group_ids = group_ids_for(st.num_prompts, cfg.group_size)
         par = self.parallel
+        # Rewards and advantages on the host (the reward function's scores come back there);
+        # the trajectory and its log-probs where the policy runs.
         rewards = torch.zeros(st.batch)
         advantages = torch.zeros(st.batch)
-        trajectory = torch.zeros((st.batch, st.noise.shape[0] + 1) + tuple(st.latents0.shape[1:]))
-        log_probs = torch.zeros(st.batch, st.noise.shape[0])
+        device = st.latents0.device
+        trajectory = torch.zeros((st.batch, st.noise.shape[0] + 1) + tuple(st.latents0.shape[1:]),
+                                 device=device)
+        log_probs = torch.zeros(st.batch, st.noise.shape[0], device=device)
         # Reweight with per-group statistics updates a group as soon as it is scored, freeing
         # its gradient buffers; everything else scores the whole batch first (so do groups
         # scattered over the ranks: their rewards are gathered from everyone at once).
@@ -1008,6 +1012,7 @@ class GRPOTrainer:
             advantages = par.gather_rows(advantages, st.owned)
         log_probs = par.gather_rows(log_probs, st.owned)
         pending.restore_grads()
+        synchronize(device)  # (the seconds include the device's queued work)
         pending.rollout_seconds = time.perf_counter() - start
         pending.rollout = Rollout(latents=trajectory, selected=st.selected, log_probs=log_probs,
                                   rewards=rewards, advantages=advantages, conditions=st.cond,
@@ -1332,7 +1337,7 @@ class PendingUpdate:
         num_steps = st.noise.shape[0]
         x = st.latents0[rows]
         trajectory = [x]
-        log_probs = torch.zeros(rows.numel(), num_steps)
+        log_probs = torch.zeros(rows.numel(), num_steps, device=x.device)
         flags, samples = [], []
         split = st.schedule != "recompute"
         with lean.rollout(train=lambda i: flags[i], samples=lambda i: samples[i],
@@ -1403,7 +1408,7 @@ class PendingUpdate:
                 if on_policy:
                     error = (ratio.detach() - 1).abs().max().item()
                     self._ratio_error = max(self._ratio_error or 0.0, error)
-                adv = advantages[glob].float()
+                adv = advantages[glob].to(ratio.device, torch.float32)
                 clipped = torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
                 loss = torch.maximum(-adv * ratio, -adv * clipped).sum() / norm
                 if cfg.beta > 0:
@@ -1470,6 +1475,7 @@ class PendingUpdate:
         kl = kl_sum / kl_count if kl_count else 0.0
         self._kl.clear()
         ratio_error, self._ratio_error = self._ratio_error, None
+        synchronize(record.latents.device)  # (update_seconds include the queued work)
         if par.distributed:
             ratio_error = par.all_max(-1.0 if ratio_error is None else ratio_error)
             ratio_error = None if ratio_error < 0 else ratio_error
