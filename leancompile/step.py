@@ -490,7 +490,8 @@ def _readable(source: str) -> str:
     -> ``self.fc.weight``."""
     text = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", source)
     text = re.sub(r"^G\['__import_[^']*'\]\.", "", text)
-    return re.sub(r"^[LG]\['([^']*)'\]", r"\1", text)
+    text = re.sub(r"^[LG]\['([^']*)'\]", r"\1", text)
+    return re.sub(r"^kwargs\['([^']*)'\]", r"\1", text)
 
 
 def synchronize(device: torch.device | None = None) -> None:
@@ -1280,8 +1281,25 @@ class _GraphRuntime:
         if not same_graph:
             return ("no kept rollout call computes the same function (another graph: a changed "
                     "module state such as a disabled adapter, training mode, autocast, or other "
-                    "argument types)")
+                    "argument types)" + self._sample_hint())
         return f"row {row}: inputs not seen in the rollout"
+
+    def _sample_hint(self) -> str:
+        """Where the update's call takes a tensor argument no kept call took, and the kept
+        ones one it does not (``prev_sample=`` where the rollout passed ``noise=``), and no
+        sample is configured: how to name the sample."""
+        if self.step.config.sample_arg is not None:
+            return ""
+        mine = {r.source for r in self.g.roles if r.kind == "tensor"}
+        theirs = {r.source for k in self.step._state.kept for r in k.runtime.g.roles
+                  if r.kind == "tensor"}
+        new, gone = sorted(mine - theirs), sorted(theirs - mine)
+        if not (new and gone):
+            return ""
+        return (f"; this call passes {_readable(new[0])}, the rollout's passed "
+                f"{_readable(gone[0])}: for a step that draws its sample inside, name it with "
+                "lean_compile(..., sample_output=<the sample's index among the outputs>, "
+                f"sample_arg={_readable(new[0])!r})")
 
     def _reuse(self, args, assignment):
         state, g = self.step._state, self.g

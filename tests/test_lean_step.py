@@ -636,3 +636,28 @@ def test_parameters_that_are_views_of_one_flat_buffer():
     step = _weighted_rollout_and_update(model, reference, "retain")
     assert step.stats.reused_calls == 1, step.stats.summary()
     assert rel_l2(_grads(model), _grads(reference)) <= 1e-6
+
+
+def test_a_sampling_step_without_a_named_sample_says_how_to_name_it():
+    """The rollout calls the step with ``noise=``, the update with ``prev_sample=``: two graphs,
+    so nothing is reused (the update's gradient is recomputed, exactly); the reason names both
+    arguments and the options that let the update reuse the rollout's forward."""
+    model, reference = _mlp(4), _mlp(4)
+
+    def step(net, x, noise=None, prev_sample=None):
+        mean = net(x)
+        sample = mean + noise if prev_sample is None else prev_sample
+        return sample, -((sample - mean) ** 2).sum(1)
+
+    wrapped = leancompile.lean_compile(lambda x, **kw: step(model, x, **kw),
+                                       backend="aot_eager", schedule="retain")
+    x, noise = torch.randn(4, 4), torch.randn(4, 4)
+    with wrapped.rollout(), torch.no_grad():
+        sample, _ = wrapped(x, noise=noise)
+    with wrapped.update():
+        wrapped(x, prev_sample=sample)[1].sum().backward()
+    step(reference, x, prev_sample=sample)[1].sum().backward()
+    assert rel_l2(_grads(model), _grads(reference)) <= 1e-6
+    [reason] = wrapped.stats.recomputed
+    assert "this call passes prev_sample, the rollout's passed noise" in reason
+    assert "sample_output=" in reason and "sample_arg='prev_sample'" in reason
