@@ -476,9 +476,12 @@ class _State:
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Free memory of ``device`` now (the CPU: available physical memory)."""
+    """Free memory of ``device`` now (the CPU: available physical memory). On CUDA: the
+    device's free memory and what PyTorch's caching allocator holds unused (freed tensors it
+    keeps for reuse: what an earlier rollout kept is free again after its update)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
@@ -491,6 +494,8 @@ def _readable(source: str) -> str:
     text = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", source)
     text = re.sub(r"^G\['__import_[^']*'\]\.", "", text)
     text = re.sub(r"^[LG]\['([^']*)'\]", r"\1", text)
+    # (the wrapper's own entry passes the user's function as fn, and keywords as kwargs)
+    text = re.sub(r"^fn\.__closure__\[\d+\]\.cell_contents\.", "", text)
     return re.sub(r"^kwargs\['([^']*)'\]", r"\1", text)
 
 
@@ -569,13 +574,15 @@ class _GraphRuntime:
         changed = [_readable(self.g.roles[i].source) for i in self.g.traced_frozen
                    if args[i].requires_grad]
         if changed:
+            one = len(changed) == 1
             raise RuntimeError(
                 f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} now "
-                f"require{'s' if len(changed) == 1 else ''} grad but did not when this graph "
-                "was compiled, and torch "
-                f"{torch.__version__} did not recompile it: its backward would give them no "
-                "gradient. Set requires_grad before the first compiled call, or call "
-                "torch._dynamo.reset() after changing it (torch 2.13 recompiles by itself)")
+                f"require{'s' if one else ''} grad but did not when this graph was compiled, "
+                "and Dynamo ran the graph without compiling it again: its backward would give "
+                f"{'it' if one else 'them'} no gradient. Set requires_grad before the first "
+                "compiled call, or call torch._dynamo.reset() after changing it (torch "
+                f"{torch.__version__}; torch 2.11 does not recompile for a module's "
+                "parameter, torch 2.13 does)")
 
     def _batch(self, args) -> int:
         for i, role in enumerate(self.g.roles):
@@ -1290,11 +1297,14 @@ class _GraphRuntime:
         sample is configured: how to name the sample."""
         if self.step.config.sample_arg is not None:
             return ""
-        mine = {r.source for r in self.g.roles if r.kind == "tensor"}
-        theirs = {r.source for k in self.step._state.kept for r in k.runtime.g.roles
-                  if r.kind == "tensor"}
+        def keywords(roles):  # (a sample_arg is a keyword argument)
+            names = {_readable(r.source) for r in roles if r.kind == "tensor"}
+            return {n for n in names if n.isidentifier()}
+
+        mine = keywords(self.g.roles)
+        theirs = set().union(*[keywords(k.runtime.g.roles) for k in self.step._state.kept])
         new, gone = sorted(mine - theirs), sorted(theirs - mine)
-        if not (new and gone):
+        if len(new) != 1 or not gone:
             return ""
         return (f"; this call passes {_readable(new[0])}, the rollout's passed "
                 f"{_readable(gone[0])}: for a step that draws its sample inside, name it with "

@@ -246,7 +246,7 @@ def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Ten
             trajectory.append(x)
             log_probs[:, k] = out.log_prob
         trajectory = torch.stack(trajectory, dim=1)
-        rewards = check_rewards(reward_fn(x, cond), batch)
+        rewards = check_rewards(reward_fn(x, cond), batch).to("cpu")  # (as the trainer's)
         advantages = group_advantages(
             rewards, group_ids_for(num_prompts, config.group_size),
             AdvantageConfig(global_std=config.global_std, adv_clip_max=config.adv_clip_max))
@@ -261,17 +261,18 @@ def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Ten
     rows = torch.arange(batch, device=device)
     selected = selected.to(device)
     num_selected = selected.shape[1]
-    adv = torch.clamp(advantages, -config.adv_clip_max, config.adv_clip_max)
-    ratio_error = 0.0
+    adv = torch.clamp(advantages, -config.adv_clip_max, config.adv_clip_max).to(device)
+    errors = []  # (read once at the end: no sync per step)
     for j in range(num_selected):
         step = selected[:, j]
         out = transition(trajectory[rows, step], step, prev_sample=trajectory[rows, step + 1])
         ratio = torch.exp(out.log_prob - log_probs[rows, step])
-        ratio_error = max(ratio_error, (ratio.detach() - 1).abs().max().item())
+        errors.append((ratio.detach() - 1).abs().max())
         unclipped = -adv * ratio
         clipped = -adv * torch.clamp(ratio, 1.0 - config.clip_range, 1.0 + config.clip_range)
         loss = torch.mean(torch.maximum(unclipped, clipped)) / num_selected
         loss.backward()
+    ratio_error = torch.stack(errors).max().item() if errors else 0.0
     grads = {}
     for name, p in params:
         grads[name] = torch.zeros_like(p) if p.grad is None else p.grad
@@ -313,7 +314,7 @@ def _step_times(trainer, policy, conditions, config: BenchConfig, gen) -> dict:
     args = [latents, torch.full((batch,), 1, dtype=torch.long, device=latents.device)] + cond
     noise = torch.randn_like(latents)
     return step_times(lambda: lean(*args, noise=noise), lambda out: out[1].sum(),
-                      policy.parameters())
+                      policy.parameters(), device=latents.device)
 
 
 def _best_lean(results: dict) -> dict:
@@ -617,7 +618,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     # torchrun: data parallel over the launched ranks; rank 0 reports.
-    joined, log = join_torchrun(ns.json)
+    joined, log = join_torchrun(ns.json, ns.device)
     quiet = dist.is_initialized() and dist.get_rank() != 0
     malloc = apply_malloc_flag(ns.malloc)
     try:

@@ -19,34 +19,35 @@ __all__ = ["median_seconds", "step_times", "ideal_ratio", "add_malloc_flag", "ap
            "join_torchrun"]
 
 
-def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
+def median_seconds(fn: Callable[[], object], repeats: int = 5,
+                   device: torch.device | None = None) -> float:
     """The median of ``repeats`` timed calls of ``fn``, after one untimed call (each call's
-    time includes the CUDA work it queued)."""
+    time includes the work it queued on ``device``; None: the current CUDA device)."""
     fn()
-    synchronize()
+    synchronize(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        synchronize()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
 def step_times(call: Callable[[], object], loss: Callable[[object], torch.Tensor],
-               params, repeats: int = 5) -> dict:
-    """``F0``, ``F`` and ``B`` (medians) of ``call()``, the backward of ``loss(call())``;
-    ``params``' gradients are cleared afterwards."""
+               params, repeats: int = 5, device: torch.device | None = None) -> dict:
+    """``F0``, ``F`` and ``B`` (medians) of ``call()``, the backward of ``loss(call())``, on
+    ``device``; ``params``' gradients are cleared afterwards."""
     with torch.no_grad():
-        f0 = median_seconds(call, repeats)
-    f = median_seconds(call, repeats)
+        f0 = median_seconds(call, repeats, device)
+    f = median_seconds(call, repeats, device)
 
     def backward():
         out = call()
-        synchronize()
+        synchronize(device)
         start = time.perf_counter()
         loss(out).backward()
-        synchronize()
+        synchronize(device)
         return time.perf_counter() - start
 
     backward()
@@ -82,11 +83,12 @@ def apply_malloc_flag(choice: str) -> str:
     return "keep" if keep_freed_memory() else "default (not glibc)"
 
 
-def join_torchrun(json_output: bool) -> tuple[bool, Callable[..., None]]:
-    """Under torchrun (``WORLD_SIZE`` > 1, no process group yet): join the launched ranks
-    (NCCL with CUDA, else gloo). Returns whether this call created the process group (destroy
-    it when done) and the bench's log: silent on ranks other than 0, on stderr when the
-    report goes to stdout as JSON."""
+def join_torchrun(json_output: bool, device: str = "cpu") -> tuple[bool, Callable[..., None]]:
+    """Under torchrun (``WORLD_SIZE`` > 1, no process group yet): join the launched ranks,
+    with gloo for a bench on the host and NCCL on ``cuda`` (each rank on the GPU of its
+    ``LOCAL_RANK``, made the current device). Returns whether this call created the process
+    group (destroy it when done) and the bench's log: silent on ranks other than 0, on stderr
+    when the report goes to stdout as JSON."""
     import os
     import sys
 
@@ -94,7 +96,11 @@ def join_torchrun(json_output: bool) -> tuple[bool, Callable[..., None]]:
 
     joined = False
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("gloo")
         joined = True
     if dist.is_initialized() and dist.get_rank() != 0:
         return joined, lambda *a: None

@@ -30,6 +30,7 @@ import torch
 from ..grpo.advantages import AdvantageConfig, group_advantages, group_ids_for
 from ..grpo.sde import kl_to_reference, sde_step
 from ..grpo.timesteps import same_noise_latents
+from ..step import synchronize
 
 __all__ = ["LoopConfig", "LoopResult", "flow_grpo_loop", "dance_grpo_loop", "make_step",
            "phase"]
@@ -176,7 +177,9 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
         rewards = reward(trajectories[:, -1])
         advantages = group_advantages(rewards, group_ids_for(config.prompts, config.group_size),
                                       AdvantageConfig(adv_clip_max=config.adv_clip_max))
+        advantages = advantages.to(trajectories.device)  # (a reward may score on the host)
         result.rewards.append(rewards.mean().item())
+        synchronize(trajectories.device)
         result.rollout_seconds += time.perf_counter() - start
 
         start = time.perf_counter()
@@ -215,6 +218,7 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
                     done += 1
                     if done % accumulate == 0 or done == calls:
                         _optimizer_step(policy, optimizer, config, result)
+        synchronize(trajectories.device)
         result.update_seconds += time.perf_counter() - start
         result.history.append(_state(policy))
     result.params = _state(policy)
@@ -257,7 +261,9 @@ def dance_grpo_loop(policy, fn, config: LoopConfig, *, seed: int = 0,
         rewards = reward(trajectories[:, -1])
         advantages = group_advantages(rewards, group_ids_for(config.prompts, config.group_size),
                                       AdvantageConfig(adv_clip_max=config.adv_clip_max))
+        advantages = advantages.to(trajectories.device)  # (a reward may score on the host)
         result.rewards.append(rewards.mean().item())
+        synchronize(trajectories.device)
         result.rollout_seconds += time.perf_counter() - start
 
         start = time.perf_counter()
@@ -280,6 +286,7 @@ def dance_grpo_loop(policy, fn, config: LoopConfig, *, seed: int = 0,
                     done += 1
                     if done % accumulate == 0 or done == calls:
                         _optimizer_step(policy, optimizer, config, result)
+        synchronize(trajectories.device)
         result.update_seconds += time.perf_counter() - start
         result.history.append(_state(policy))
     result.params = _state(policy)

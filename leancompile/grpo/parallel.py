@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .layout import worker_groups
 
 __all__ = ["PARALLEL", "AllRanks", "DataParallel", "PeerFailureError", "RankMismatchError",
-           "comm_device"]
+           "comm_device", "device_types"]
 
 PARALLEL = (None, "ddp", "fsdp")
 # What the c10d backends say when a peer is gone or a collective timed out.
@@ -33,14 +33,29 @@ _PEER_FAILURES = ("Connection reset", "onnection closed", "Timed out", "timed ou
                   "ncclRemoteError", "communicator was aborted")
 
 
+def device_types(group) -> set[str]:
+    """The device types ``group``'s backends take tensors of: ``{"cpu"}`` under gloo,
+    ``{"cuda"}`` under NCCL, both for ``"cpu:gloo,cuda:nccl"`` (what ``init_process_group()``
+    without a backend makes)."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except (AttributeError, RuntimeError, ValueError):
+        config = str(dist.get_backend(group))
+    types = set()
+    for part in config.lower().split(","):
+        device, _, backend = part.strip().rpartition(":")
+        types.add(device or ("cuda" if backend == "nccl" else "cpu"))
+    return types
+
+
 def comm_device(group) -> torch.device:
-    """The device whose tensors ``group``'s collectives take: the current CUDA device under
-    NCCL alone; the host under gloo, or a group with a host backend beside NCCL
-    (``"cpu:gloo,cuda:nccl"``)."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where the trainer's own tensors (counts, checks, scores) go for ``group``'s
+    collectives: the host where a backend takes host tensors, else the group's CUDA device
+    (bound with ``init_process_group(device_id=...)``, or the current one)."""
+    if "cpu" in device_types(group):
+        return torch.device("cpu")
+    bound = getattr(group, "bound_device_id", None)
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 class RankMismatchError(RuntimeError):
@@ -67,7 +82,7 @@ class DataParallel:
         self.other_collectives = self.other_bytes = 0
         if parallel is None:
             self.group, self.rank, self.world_size, self._sub = None, 0, 1, {}
-            self.device = torch.device("cpu")
+            self.device, self._types = torch.device("cpu"), {"cpu"}
             return
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -76,8 +91,9 @@ class DataParallel:
                 "backend 'gloo' on CPU, 'nccl' on GPU)")
         self.group = dist.group.WORLD if group is None else group
         self.device = comm_device(self.group)
-        """Where the group's collectives take the trainer's own tensors (counts, scores,
-        log-probs): the current CUDA device under NCCL, else the host."""
+        """Where the trainer's own tensors (counts, checks, scores) go for a collective: the
+        host, unless the group's backends take only CUDA tensors (NCCL alone)."""
+        self._types = device_types(self.group)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._globals = dist.get_process_group_ranks(self.group)
@@ -161,7 +177,8 @@ class DataParallel:
     def _all_reduce(self, tensor, op=None, ranks=None, *, sync=False, what="an all-reduce"):
         if not self.distributed or (ranks is not None and len(ranks) <= 1):
             return tensor
-        moved = tensor.to(self.device)
+        # (a tensor on a device the backends take stays there: gradients on the GPU to NCCL)
+        moved = tensor if tensor.device.type in self._types else tensor.to(self.device)
         work = dist.all_reduce(moved, op=dist.ReduceOp.SUM if op is None else op,
                                group=self._group_for(ranks), async_op=True)
         self._wait(work, what)
@@ -216,7 +233,8 @@ class DataParallel:
         if not self.distributed:
             return values
         mask = owned.reshape((-1,) + (1,) * (values.ndim - 1))
-        out = torch.where(mask.to(values.device), values, torch.zeros((), dtype=values.dtype))
+        out = torch.where(mask.to(values.device), values,
+                          torch.zeros((), dtype=values.dtype, device=values.device))
         return self._all_reduce(out.contiguous(), ranks=ranks,
                                 what="gathering rewards / log-probs")
 

@@ -1335,9 +1335,13 @@ class PendingUpdate:
         st, trainer = self.setup, self.trainer
         lean = st.lean
         num_steps = st.noise.shape[0]
-        x = st.latents0[rows]
+        device = st.latents0.device
+        rows_at = rows.to(device, non_blocking=True)  # (see train)
+        x = st.latents0[rows_at]
+        noise_rows = st.noise[:, rows_at]
+        cond_rows = [c[rows_at] for c in st.cond_list]
         trajectory = [x]
-        log_probs = torch.zeros(rows.numel(), num_steps, device=x.device)
+        log_probs = torch.zeros(rows.numel(), num_steps, device=device)
         flags, samples = [], []
         split = st.schedule != "recompute"
         with lean.rollout(train=lambda i: flags[i], samples=lambda i: samples[i],
@@ -1357,15 +1361,16 @@ class PendingUpdate:
                             self._stand_in_call(k, kept)
                         continue
                     trained = trained and split
-                    args = trainer._call_args(x, k, [c[rows] for c in st.cond_list], local)
-                    noise = st.noise[k][rows][local]
+                    local_at = local.to(device, non_blocking=True)
+                    args = trainer._call_args(x, k, cond_rows, local_at)
+                    noise = noise_rows[k][local_at]
                     if trained and trainer.config.beta > 0:
                         args[-1] = trainer._reference_mean(args, st.keys, noise)
                         self._mean_refs[(k, tuple(rows[local].tolist()))] = args[-1]
                     flags.append(trained)
                     samples.append(rows[local])
                     out = lean(*args, noise=noise)
-                    x_next[local], log_probs[local, k] = out[0], out[1]
+                    x_next[local_at], log_probs[local_at, k] = out[0], out[1]
                 x = x_next
                 trajectory.append(x)
         stats = lean.stats
@@ -1389,6 +1394,12 @@ class PendingUpdate:
         # except on Reweight's path, whose update calls run no collective.
         pad = st.padding is not None and not (self.schedule == "reweight" and chunk == 0
                                               and on_policy)
+        # Row indices and advantages where the trajectory is, once (an index on the host
+        # indexing a device tensor is copied over, and waits for the device, at every use).
+        device = trajectory.device
+        rows_at = rows.to(device, non_blocking=True)
+        advantages = advantages.to(device, torch.float32, non_blocking=True)
+        errors = []  # |ratio - 1| per call, read once after the loop
         with lean.update(), record_function("leancompile.update"):
             for k in range(st.noise.shape[0]):
                 local = mask[rows, k].nonzero().flatten()
@@ -1396,25 +1407,28 @@ class PendingUpdate:
                     if pad and bool(mask[:, k].any()):
                         self._stand_in_update(k)
                     continue
-                glob = rows[local]
-                args = trainer._call_args(trajectory[rows, k], k,
-                                          [c[rows] for c in st.cond_list], local)
+                glob, local_at = rows[local], local.to(device, non_blocking=True)
+                glob_at = rows_at[local_at]
+                args = trainer._call_args(trajectory[rows_at, k], k,
+                                          [c[rows_at] for c in st.cond_list], local_at)
                 if cfg.beta > 0:
                     key = (k, tuple(glob.tolist()))
                     args[-1] = self._mean_refs[key] if key in self._mean_refs else \
-                        trainer._reference_mean(args, st.keys, st.noise[k][glob])
-                out = lean(*args, prev_sample=trajectory[glob, k + 1])
-                ratio = torch.exp(out[1] - log_probs[glob, k])
+                        trainer._reference_mean(args, st.keys, st.noise[k][glob_at])
+                out = lean(*args, prev_sample=trajectory[glob_at, k + 1])
+                ratio = torch.exp(out[1] - log_probs[glob_at, k])
                 if on_policy:
-                    error = (ratio.detach() - 1).abs().max().item()
-                    self._ratio_error = max(self._ratio_error or 0.0, error)
-                adv = advantages[glob].to(ratio.device, torch.float32)
+                    errors.append((ratio.detach() - 1).abs().max())
+                adv = advantages[glob_at]
                 clipped = torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + cfg.clip_range)
                 loss = torch.maximum(-adv * ratio, -adv * clipped).sum() / norm
                 if cfg.beta > 0:
                     loss = loss + cfg.beta * out[2].sum() / norm
                     self._kl.append(out[2].detach())
                 loss.backward()
+        if errors:
+            error = torch.stack(errors).max().item()
+            self._ratio_error = max(self._ratio_error or 0.0, error)
         stats = lean.stats
         self._retained = max(self._retained, stats.peak_kept_bytes)
         self._buffered = max(self._buffered, stats.peak_buffer_bytes)
