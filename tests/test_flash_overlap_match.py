@@ -22,6 +22,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from leancompile.passes.flash_overlap_match import (AG_SITE, RS_SITE, find_all_gather_matches,
                                                     find_reduce_scatter_matches)
 from leancompile.passes.result import PassResult
+from compat import TORCH_VERSION, all_gather_single, reduce_scatter_single
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -83,8 +84,8 @@ def uses(match):
 
 def test_functional_ag_mm_and_mm_rs_forward_and_backward(group):
     def f(x, w1, w2):
-        h = funcol.all_gather_single(x, 0, group) @ w1       # column-parallel
-        return funcol.reduce_scatter_single(h @ w2, "sum", 0, group)  # row-parallel
+        h = all_gather_single(x, 0, group) @ w1              # column-parallel
+        return reduce_scatter_single(h @ w2, "sum", 0, group)  # row-parallel
 
     x = torch.randn(8, 16, requires_grad=True)
     w1, w2 = torch.randn(16, 32, requires_grad=True), torch.randn(32, 16, requires_grad=True)
@@ -119,7 +120,7 @@ def test_functional_ag_mm_and_mm_rs_forward_and_backward(group):
 
 def test_qkv_projections_of_one_gather_are_one_site_with_three_consumers(group):
     def qkv(x, wq, wk, wv):
-        a = funcol.all_gather_single(x, 0, group)            # (4*2, 5, 16)
+        a = all_gather_single(x, 0, group)                   # (4*2, 5, 16)
         return a @ wq, a @ wk, a @ wv
 
     args = torch.randn(2, 5, 16), *(torch.randn(16, 16) for _ in range(3))
@@ -135,7 +136,7 @@ def test_qkv_projections_of_one_gather_are_one_site_with_three_consumers(group):
 
 def test_gather_on_dim_1_with_batch_1_is_a_view_not_split_cat(group):
     def f(x, w):
-        return funcol.all_gather_single(x, 1, group) @ w   # shard (1, 6, 16): view form
+        return all_gather_single(x, 1, group) @ w          # shard (1, 6, 16): view form
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(1, 6, 16), torch.randn(16, 8))
     [ag], [], result = find(gm, divisor=2)
@@ -215,6 +216,10 @@ def test_dtensor_tp_sp_mlp_forward_and_backward(group):
     assert reason.startswith("the gathered tensor has other users (aten.sum.dim_IntList at sum")
 
 
+@pytest.mark.skipif(TORCH_VERSION < (2, 13), reason=(
+    "torch < 2.13 DTensor: Shard(1) of 30 over 4 ranks redistributed to Replicate leaves a "
+    "non-contiguous local tensor (2, 30, 16) with strides (512, 16, 1) that nn.Linear's view "
+    "rejects, in eager as under Dynamo; nothing of leancompile runs before that error"))
 def test_dtensor_uneven_sequence_is_skipped_as_uneven_shards(group):
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -273,7 +278,9 @@ def test_fsdp_style_parameter_gather_and_weight_gradient_reduce_scatter(group):
         # dW = mm(t(dY), X) -> t -> t -> view -> reduce_scatter(dim 0).
         assert rs.kind == "rs_weight_grad" and rs.scatter_dim == 0 and rs.dim == "M"
         assert rs.matmul.args[0].target is aten.t.default
-        assert [v.target for v in rs.via] == [aten.t.default, aten.t.default, aten.view.default]
+        # torch < 2.13 DTensor (Partial -> Shard(0)) adds no identity view before the RS.
+        view = [aten.view.default] if TORCH_VERSION >= (2, 13) else []
+        assert [v.target for v in rs.via] == [aten.t.default, aten.t.default] + view
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,7 +289,7 @@ def test_fsdp_style_parameter_gather_and_weight_gradient_reduce_scatter(group):
 
 def test_skip_when_no_consumer_is_a_matmul(group):
     def f(x):
-        return torch.relu(funcol.all_gather_single(x, 0, group))
+        return torch.relu(all_gather_single(x, 0, group))
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(2, 8))
     ags, _, result = find(gm)
@@ -293,11 +300,11 @@ def test_skip_when_no_consumer_is_a_matmul(group):
 
 def test_extra_users_are_recorded_or_skipped(group):
     def other_reader(x, w):
-        a = funcol.all_gather_single(x, 0, group)
+        a = all_gather_single(x, 0, group)
         return a @ w, a + 1
 
     def feeds_the_other_operand(x):
-        a = funcol.all_gather_single(x, 0, group)
+        a = all_gather_single(x, 0, group)
         return a @ (a.t() * 2)
 
     x, w = torch.randn(2, 8), torch.randn(8, 4)
@@ -327,8 +334,8 @@ def test_extra_users_are_recorded_or_skipped(group):
 
 def test_skip_when_not_divisible_by_world_size_times_chunks(group):
     def f(x, w, v):
-        h = funcol.all_gather_single(x, 0, group) @ w              # rows: 4 x 3 = 12
-        return funcol.reduce_scatter_single(h @ v, "sum", 0, group)
+        h = all_gather_single(x, 0, group) @ w                     # rows: 4 x 3 = 12
+        return reduce_scatter_single(h @ v, "sum", 0, group)
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(3, 8), torch.randn(8, 8), torch.randn(8, 8))
     ags, rss, result = find(gm, divisor=1)
@@ -381,7 +388,7 @@ def test_skip_unknown_group_and_wrong_group_size(group):
 
 def test_skip_unsupported_reduce_op(group):
     def f(x, w):
-        return funcol.reduce_scatter_single(x @ w, "avg", 0, group)
+        return reduce_scatter_single(x @ w, "avg", 0, group)
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(8, 8), torch.randn(8, 8))
     _, rss, result = find(gm)
@@ -391,11 +398,11 @@ def test_skip_unsupported_reduce_op(group):
 
 def test_skip_reduce_scatter_not_fed_by_an_exclusive_matmul(group):
     def not_a_matmul(x):
-        return funcol.reduce_scatter_single(torch.relu(x), "sum", 0, group)
+        return reduce_scatter_single(torch.relu(x), "sum", 0, group)
 
     def shared_product(x, w):
         y = x @ w
-        return funcol.reduce_scatter_single(y, "sum", 0, group), y + 1
+        return reduce_scatter_single(y, "sum", 0, group), y + 1
 
     gm = make_fx(not_a_matmul, tracing_mode="fake")(torch.randn(8, 8))
     _, rss, result = find(gm)
@@ -430,7 +437,7 @@ def test_skip_when_wait_is_not_the_only_user_of_the_collective(group):
 
 def test_dynamic_shapes_divisibility_decided_on_symbolic_sizes(group):
     def f(x, w):
-        return funcol.all_gather_single(x, 1, group) @ w     # sequence dim 1, split+cat
+        return all_gather_single(x, 1, group) @ w            # sequence dim 1, split+cat
 
     x = torch.randn(2, 6, 16, requires_grad=True)
     w = torch.randn(16, 8, requires_grad=True)
@@ -467,7 +474,7 @@ def test_dynamic_shapes_divisibility_decided_on_symbolic_sizes(group):
 
 def test_dynamic_shapes_odd_traced_size_is_skipped_not_guarded(group):
     def f(x, w):
-        return funcol.all_gather_single(x, 1, group) @ w
+        return all_gather_single(x, 1, group) @ w
 
     gm = make_fx(f, tracing_mode="symbolic")(torch.randn(2, 3, 16), torch.randn(16, 8))
     ags, _, result = find(gm, divisor=2)
@@ -485,7 +492,7 @@ def test_pass_adds_the_guard_in_a_forward_graph_and_skips_in_a_backward_one(grou
     from leancompile.passes.flash_overlap import flash_overlap_pass
 
     def f(x, w):
-        return funcol.all_gather_single(x, 1, group) @ w
+        return all_gather_single(x, 1, group) @ w
 
     x = torch.randn(2, 6, 16, requires_grad=True)
     fw, bw = compile_graphs(f, x, torch.randn(16, 8, requires_grad=True), dynamic=True)
@@ -533,7 +540,7 @@ def test_all_reduce_only_graph_is_reported_without_a_warning(group, caplog):
     assert not [r for r in caplog.records if "rewrote none" in r.getMessage()]
 
     def gather_no_matmul(x, w):
-        return funcol.all_gather_single(x, 0, group).relu() * w.sum()
+        return all_gather_single(x, 0, group).relu() * w.sum()
 
     fw, _ = compile_graphs(gather_no_matmul, torch.randn(8, 16, requires_grad=True),
                            torch.randn(16, 8, requires_grad=True))

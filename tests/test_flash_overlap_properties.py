@@ -63,13 +63,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import leancompile
+from compat import all_gather_single, reduce_scatter_single
 
 AG, RS = "all_gather+mm", "mm+reduce_scatter"
 POOL_SIZE = 4
@@ -155,11 +155,11 @@ def _program(ex, group):
             return _linear(t, w, next(params) if ex["bias"] else None, ex["weight"])
 
         if gather:
-            x = linear(funcol.all_gather_single(x, ex["dim"], group))
+            x = linear(all_gather_single(x, ex["dim"], group))
         if ex["kind"] == "mlp":
             x = F.gelu(x)
         if scatter:
-            x = funcol.reduce_scatter_single(linear(x), "sum", ex["dim"], group)
+            x = reduce_scatter_single(linear(x), "sum", ex["dim"], group)
         return x
 
     return fn

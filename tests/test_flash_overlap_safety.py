@@ -26,11 +26,11 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
 import leancompile
+from compat import all_gather_single, reduce_scatter_single
 from ranks import spawn
 
 AG, RS, SPLIT = "all_gather+mm", "mm+reduce_scatter", "attention+matmul+reduce_scatter"
@@ -53,8 +53,8 @@ def sp_mlp(world, layout):
     group = dist.group.WORLD
 
     def fn(x):
-        g = funcol.all_gather_single(x, dim, group)
-        return funcol.reduce_scatter_single(F.gelu(g @ w1 + b1) @ w2, "sum", dim, group)
+        g = all_gather_single(x, dim, group)
+        return reduce_scatter_single(F.gelu(g @ w1 + b1) @ w2, "sum", dim, group)
 
     def make(shard, rank):
         torch.manual_seed(100 + rank + shard)
@@ -307,8 +307,8 @@ def fused_producer(world, kind, dtype=torch.float32):
     def fn(x):
         hid = {"rms": lambda t: norm(t), "scale": lambda t: t * 2.0,
                "cast": lambda t: t.to(dtype)}[kind](x)
-        g = funcol.all_gather_single(hid, 1, group)
-        return funcol.reduce_scatter_single(F.gelu(g @ w1) @ w2, "sum", 1, group)
+        g = all_gather_single(hid, 1, group)
+        return reduce_scatter_single(F.gelu(g @ w1) @ w2, "sum", 1, group)
 
     return fn, [w1, w2] + (list(norm.parameters()) if kind == "rms" else [])
 
@@ -354,8 +354,8 @@ def _double_gather(world):
     group = dist.group.WORLD
 
     def fn(x):
-        wg = funcol.all_gather_single(w, 0, group)   # the weight's gather comes first
-        xg = funcol.all_gather_single(x, 0, group)
+        wg = all_gather_single(w, 0, group)          # the weight's gather comes first
+        xg = all_gather_single(x, 0, group)
         return F.linear(xg, wg)
 
     return fn, [w]
@@ -611,8 +611,8 @@ def _relaunch_worker(rank, world, init_file, out_dir, cache_dir):
             w2 = torch.randn(32, d, requires_grad=True)
 
             def mlp(x, w1=w1, w2=w2):
-                g = funcol.all_gather_single(x, 0, dist.group.WORLD)
-                return funcol.reduce_scatter_single(torch.relu(g @ w1) @ w2, "sum", 0,
+                g = all_gather_single(x, 0, dist.group.WORLD)
+                return reduce_scatter_single(torch.relu(g @ w1) @ w2, "sum", 0,
                                                     dist.group.WORLD)
 
             torch.manual_seed(rank)
@@ -664,7 +664,7 @@ def _mismatch_worker(rank, world, init_file, out_dir, rows, m, compiler):
         w = torch.randn(16, 8)
 
         def fn(x):
-            return funcol.all_gather_single(x, 0, dist.group.WORLD) @ w
+            return all_gather_single(x, 0, dist.group.WORLD) @ w
 
         x = torch.randn(rows[rank], 16)
         compiled = torch.compile(fn, backend=leancompile.backend(
