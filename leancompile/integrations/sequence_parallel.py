@@ -59,6 +59,15 @@ def _funcol():
     return funcol
 
 
+def _all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """The functional all-gather along dim 0: ``all_gather_single`` (torch 2.13), named
+    ``all_gather_tensor`` before (same arguments and traced ops along dim 0)."""
+    funcol = _funcol()
+    if hasattr(funcol, "all_gather_single"):
+        return funcol.all_gather_single(x, 0, group)
+    return funcol.all_gather_tensor(x, 0, group)
+
+
 def _waited(x: torch.Tensor) -> torch.Tensor:
     funcol = _funcol()
     return x.wait() if isinstance(x, funcol.AsyncCollectiveTensor) else x
@@ -109,7 +118,7 @@ def _gather_tokens(x: torch.Tensor, dim: int, group, rank: int, world: int) -> t
     collective without a gradient: plain ops, so any tracer (Dynamo, AOTAutograd, the
     LeanGRPO capture) derives the same backward."""
     pieces = x.movedim(dim, 0).contiguous()  # the functional all-gather joins along dim 0
-    gathered = _waited(_funcol().all_gather_single(pieces.detach(), 0, group))
+    gathered = _waited(_all_gather_dim0(pieces.detach(), group))
     parts = [pieces if j == rank else part for j, part in enumerate(gathered.chunk(world, 0))]
     return torch.cat(parts, 0).movedim(0, dim)
 
