@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from compat import all_gather_single
 from models import gather_shard, register_shards
 from ranks import spawn
 
@@ -46,9 +47,7 @@ class ShardedMLP(torch.nn.Module):
                             torch.bfloat16 if name == "w2" else None)
 
     def forward(self, x):
-        import torch.distributed._functional_collectives as funcol
-
-        x = funcol.all_gather_tensor(x, 1, dist.group.WORLD)  # the ranks' features, [B, d * R]
+        x = all_gather_single(x, 1, dist.group.WORLD)  # the ranks' features, [B, d * R]
         w1 = self.full("w1")
         h = torch.tanh(x @ w1.T + self.full("b1"))
         if self.simple_fsdp:
