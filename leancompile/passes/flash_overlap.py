@@ -368,11 +368,26 @@ def _bind_symbolic_sizes(graph: fx.Graph) -> None:
                                      missing_handler=from_tensor_dim)
             if isinstance(value, fx.Proxy):
                 value.node.meta.setdefault("val", arg)
+                _fill_size_vals(value.node)
                 return value.node
             return value
 
         node.args = map_aggregate(node.args, bind)
         node.kwargs = map_aggregate(node.kwargs, bind)
+
+
+def _fill_size_vals(node: fx.Node) -> None:
+    """Give the inner nodes of a size expression built by ``_bind_symbolic_sizes`` (``2 * s0``
+    of ``2 * s0 * s1``) the SymInt they compute as ``meta["val"]``, as ``make_fx`` does:
+    Inductor before torch 2.13 lowers Python arithmetic nodes from ``meta["val"]`` (a
+    ``KeyError: 'val'`` without it)."""
+    from torch.fx.node import map_arg
+
+    for arg in node.all_input_nodes:
+        if "val" not in arg.meta and arg.op == "call_function":
+            _fill_size_vals(arg)
+            arg.meta["val"] = arg.target(*map_arg(arg.args, lambda a: a.meta["val"]),
+                                         **map_arg(arg.kwargs, lambda a: a.meta["val"]))
 
 
 def _hoist(node: fx.Node, anchor: fx.Node, order: dict) -> None:
