@@ -87,6 +87,28 @@ def tiny_flux_policy(steps: int = 4, seed: int = 0):
                       vae_scale_factor=1, guidance_scale=3.5)
 
 
+def bf16_flux(lora: bool = False, steps: int = 3):
+    """``tiny_flux_policy`` cast to bfloat16, as a new user would; ``lora``: peft adapters on
+    the attention projections (the base frozen), ``lora_B`` moved off zero."""
+    import pytest
+
+    policy = tiny_flux_policy(steps=steps)
+    policy.transformer.to(torch.bfloat16)
+    if lora:
+        pytest.importorskip("peft")
+        from peft import LoraConfig
+
+        policy.transformer.requires_grad_(False)
+        policy.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4,
+                                                  target_modules=["to_q", "to_k", "to_v"]))
+        with torch.no_grad():  # lora_B starts at zero: move it so lora_A's gradients are live
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+        policy.transformer.to(torch.bfloat16)
+    return policy
+
+
 def tiny_wan_policy(steps: int = 3, seed: int = 0):
     """A random-init Wan (1 layer) behind ``WanPolicy`` with classifier-free guidance."""
     from diffusers import WanTransformer3DModel

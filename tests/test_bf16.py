@@ -26,29 +26,11 @@ import leancompile
 from grpo_reference import agreement
 from leancompile.demos.user_loops import LoopConfig, flow_grpo_loop, make_step
 from leancompile.grpo.trainer import GRPOConfig, GRPOTrainer
-from models import tiny_flux_policy
+from models import bf16_flux
 
 
 def mean_latent_reward(latents, conditions):
     return latents.float().flatten(1).mean(1)
-
-
-def bf16_flux(lora: bool = False, steps: int = 3):
-    policy = tiny_flux_policy(steps=steps)
-    policy.transformer.to(torch.bfloat16)
-    if lora:
-        pytest.importorskip("peft")
-        from peft import LoraConfig
-
-        policy.transformer.requires_grad_(False)
-        policy.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4,
-                                                  target_modules=["to_q", "to_k", "to_v"]))
-        with torch.no_grad():  # lora_B starts at zero: move it so lora_A's gradients are live
-            for name, p in policy.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
-        policy.transformer.to(torch.bfloat16)
-    return policy
 
 
 def run_schedules(policy, compiler="aot_eager", schedules=("recompute", "retain", "reweight")):

@@ -22,7 +22,7 @@ from grpo_reference import agreement
 from leancompile.benchmarks.grpo import eager_flow_grpo_gradients
 from leancompile.demos.user_loops import LoopConfig, flow_grpo_loop, make_step
 from leancompile.grpo.trainer import GRPOConfig, GRPOTrainer
-from models import tiny_flux_policy
+from models import bf16_flux, tiny_flux_policy
 
 
 def _devices() -> list[str]:
@@ -120,18 +120,7 @@ def test_bf16_lora_under_inductor_on_the_device(device):
     """What the host's Inductor cannot compile (``test_bf16.py``'s note): the bf16 LoRA
     policy under Inductor; retain and reweight reuse the rollout's forward (ratio exactly 1)
     and agree with recompute."""
-    pytest.importorskip("peft")
-    from peft import LoraConfig
-
-    policy = tiny_flux_policy(steps=3)
-    policy.transformer.requires_grad_(False)
-    policy.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4,
-                                              target_modules=["to_q", "to_k", "to_v"]))
-    with torch.no_grad():  # lora_B starts at zero: move it so lora_A's gradients are live
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
-    policy.transformer.to(torch.bfloat16)
+    policy = bf16_flux(lora=True, steps=3)
     policy.to(device)
     runs, _, _ = _trainer_runs(policy, compiler="inductor")
     base = runs["recompute"].grads
