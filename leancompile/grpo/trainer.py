@@ -1398,6 +1398,7 @@ class PendingUpdate:
         # indexing a device tensor is copied over, and waits for the device, at every use).
         device = trajectory.device
         rows_at = rows.to(device, non_blocking=True)
+        cond_rows = [c[rows_at] for c in st.cond_list]
         advantages = advantages.to(device, torch.float32, non_blocking=True)
         errors = []  # |ratio - 1| per call, read once after the loop
         with lean.update(), record_function("leancompile.update"):
@@ -1409,8 +1410,7 @@ class PendingUpdate:
                     continue
                 glob, local_at = rows[local], local.to(device, non_blocking=True)
                 glob_at = rows_at[local_at]
-                args = trainer._call_args(trajectory[rows_at, k], k,
-                                          [c[rows_at] for c in st.cond_list], local_at)
+                args = trainer._call_args(trajectory[rows_at, k], k, cond_rows, local_at)
                 if cfg.beta > 0:
                     key = (k, tuple(glob.tolist()))
                     args[-1] = self._mean_refs[key] if key in self._mean_refs else \
