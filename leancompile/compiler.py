@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -66,6 +67,21 @@ def _source_hash() -> str:
     return digest.hexdigest()
 
 
+def _post_grad_is_inference() -> bool:
+    """Whether the graph Inductor's post-grad passes are running on is an inference graph,
+    where Inductor calls custom passes without saying (torch 2.11 has no
+    ``CustomInferenceAwareGraphPass``): its ``post_grad_passes(gm, is_inference)`` frame on
+    the stack says. Without it (a pass called by hand), False: the phase then comes from the
+    graph (tangent inputs: backward, else forward)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "post_grad_passes" and code.co_filename.endswith("post_grad.py"):
+            return bool(frame.f_locals.get("is_inference", False))
+        frame = frame.f_back
+    return False
+
+
 def _phase_of(graph: fx.Graph, is_inference: bool) -> str:
     if is_inference:
         return "inference"
@@ -92,7 +108,9 @@ class LeanGraphPass(_PassBase):
         self._report = report
         self._graph_index = graph_index
 
-    def __call__(self, graph: fx.Graph, is_inference: bool = False) -> None:
+    def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
+        if is_inference is None:  # an Inductor that does not say (torch < 2.12)
+            is_inference = _post_grad_is_inference()
         self.run_previous(graph, is_inference=is_inference)
         gm = graph.owning_module
         if gm is None:

@@ -68,13 +68,37 @@ def test_lean_compile_decorator_forms():
     assert_same_training_step(model, model, plain, (x,))
 
 
-def test_inference_graph_when_nothing_needs_grad():
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_inference_graph_when_nothing_needs_grad(compiler, no_compile_cache):
     model = mlp()
     x = torch.randn(4, 16)
-    compiled = torch.compile(model, backend=leancompile.backend(compiler="aot_eager"))
+    compiled = torch.compile(model, backend=leancompile.backend(compiler=compiler))
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-6, atol=1e-6)
     assert leancompile.last_report().phases == ["inference"]
+
+
+def test_inference_graph_named_where_inductor_does_not_say(no_compile_cache):
+    """Inductor before torch 2.12 calls a custom pass as ``pass(graph)``, without saying
+    whether the graph is an inference graph: the pass reads it from Inductor's own
+    ``post_grad_passes`` call (an inference graph labelled "forward" made the fsdp trainer's
+    forward/inference comparison refuse a valid step on torch 2.11)."""
+    from leancompile.compiler import LeanGraphPass
+    from leancompile.options import CompileOptions
+    from leancompile.report import Report
+
+    report = Report(options={})
+    graph_pass = LeanGraphPass(CompileOptions(), report=report)
+    model = mlp()
+    x = torch.randn(4, 16)
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=lambda graph: graph_pass(graph)):
+        compiled = torch.compile(model)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-6, atol=1e-6)
+        torch._dynamo.reset()
+        compiled = torch.compile(model)
+        compiled(x).sum().backward()
+    assert report.phases == ["inference", "forward", "backward"]
 
 
 def test_dynamic_shapes_match_eager():
