@@ -8,6 +8,22 @@ import torch
 os.environ.setdefault("LEANCOMPILE_ON_ERROR", "raise")
 
 
+# The longest files (seconds of test time in a two-worker run on the 2-core CI machine kind,
+# 2026-12-06: 590, 523, 449, 247, 247, 238, 238, 183), most of them starting 2 to 4 ranks.
+# pytest-xdist's --dist loadfile hands files out in collection order; alphabetically,
+# test_ulysses.py came last, and one worker ran it alone for minutes while the other had
+# nothing left (a rank computing a one-process reference leaves a core idle). Longest first.
+LONGEST_FIRST = ("test_ulysses.py", "test_flash_overlap_safety.py", "test_grpo_fsdp.py",
+                 "test_lean_step.py", "test_flash_overlap.py", "test_bf16.py",
+                 "test_torchtitan.py", "test_grpo_trainer.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of ``LONGEST_FIRST`` first, in that order (each file's own order kept)."""
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Each test compiles from scratch: no Dynamo cache entries or recompile counts carried
