@@ -36,10 +36,10 @@ log = logging.getLogger("leancompile")
 
 __version__ = "0.1.0"
 
-try:  # torch >= 2.7
+try:  # torch 2.13 has it; 2.11 does not
     from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass as _PassBase
     _INFERENCE_AWARE = True
-except ImportError:  # pragma: no cover - older torch
+except ImportError:  # torch 2.11: Inductor calls pass(graph), see _post_grad_is_inference
     from torch._inductor.custom_graph_pass import CustomGraphPass as _PassBase
     _INFERENCE_AWARE = False
 
@@ -109,7 +109,7 @@ class LeanGraphPass(_PassBase):
         self._graph_index = graph_index
 
     def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
-        if is_inference is None:  # an Inductor that does not say (torch < 2.12)
+        if is_inference is None:  # an Inductor that does not say (torch 2.11)
             is_inference = _post_grad_is_inference()
         self.run_previous(graph, is_inference=is_inference)
         gm = graph.owning_module

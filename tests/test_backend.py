@@ -79,7 +79,7 @@ def test_inference_graph_when_nothing_needs_grad(compiler, no_compile_cache):
 
 
 def test_inference_graph_named_where_inductor_does_not_say(no_compile_cache):
-    """Inductor before torch 2.12 calls a custom pass as ``pass(graph)``, without saying
+    """Inductor on torch 2.11 calls a custom pass as ``pass(graph)``, without saying
     whether the graph is an inference graph: the pass reads it from Inductor's own
     ``post_grad_passes`` call (an inference graph labelled "forward" made the fsdp trainer's
     forward/inference comparison refuse a valid step on torch 2.11)."""
