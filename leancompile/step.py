@@ -55,6 +55,7 @@ import logging
 import os
 import re
 import time
+import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -75,9 +76,10 @@ from .runtime.accumulate import accumulating
 from .runtime.frameless import frameless
 from .runtime.reuse import (Reused, gather_rows, row_hashes, storage_bytes, values_digest,
                             whole_hash)
-from .runtime.vmap_ops import agree_min, unbatchable_collectives, vmap_friendly
+from .runtime.vmap_ops import (agree_min, dense_scatter_bases, unbatchable_collectives,
+                               vmap_friendly)
 
-__all__ = ["lean_compile", "LeanStep", "StepConfig", "StepStats", "StepReport", "SCHEDULES",
+__all__ = ["lean_compile", "LeanStep", "LeanModule", "ReuseWarning", "StepConfig", "StepStats", "StepReport", "SCHEDULES",
            "free_memory_bytes", "synchronize"]
 
 log = logging.getLogger("leancompile")
@@ -167,8 +169,12 @@ class StepStats:
     reused_calls: int = 0
     reused_rows: int = 0
     forwards_run: int = 0
-    """Forward graphs run (with or without grad) in the update phase: 0 when every update call
-    was served from the rollout."""
+    """Forward graphs run with gradients in the update phase: 0 when every update call was
+    served from the rollout."""
+    no_grad_calls: int = 0
+    """Calls in the update phase under ``no_grad`` (a KL reference under
+    ``disable_adapter()``, logging): run as plain inference, never reused, not in
+    ``update_calls``."""
     recomputed: Counter = field(default_factory=Counter)
     """Update calls recomputed, by reason."""
     mechanisms: Counter = field(default_factory=Counter)
@@ -211,7 +217,8 @@ class StepStats:
                  f"{self.rollout_seconds:.3f} s",
                  f"update: {self.update_calls} calls, {self.reused_calls} reused "
                  f"({self.reused_rows} rows; {dict(self.mechanisms)}), forwards run "
-                 f"{self.forwards_run}, {self.update_seconds:.3f} s"]
+                 f"{self.forwards_run}, {self.no_grad_calls} no-grad calls, "
+                 f"{self.update_seconds:.3f} s"]
         for reason, count in self.recomputed.items():
             lines.append(f"  recomputed {count} x: {reason}")
         if self.gathered_bytes:
@@ -347,6 +354,8 @@ class _State:
         self.config = config
         self.phase: str | None = None
         self.train = _Train(None)
+        self.trajectory_steps: int | None = None
+        """``rollout(trajectory_steps=T)``: ``train`` is asked about ``call_index % T``."""
         self.call_index = 0
         self.current: list[int] | None = None
         self.index: dict = {}
@@ -375,13 +384,18 @@ class _State:
         """Reweight with ``samples``: trained rows kept per sample."""
         self.arrived: dict = {}
         """Reweight with ``samples``: sample -> the cotangents its rows brought so far."""
+        self.claimed: dict = {}
+        """Reweight with ``samples``: sample -> the kept (call, row) pairs update calls have
+        served (a step served twice cannot be: the buffer holds each step once)."""
         self.graphs_called: list = []
         self.stats = StepStats()
         self.stale: str | None = None
         """Why nothing is kept any more, when the parameters changed after the rollout."""
         self._step_hook = None
+        self.digest_ids: set[int] = set()
         self.digest: tuple | None = None
-        """(trainable parameters, ``values_digest`` of them) at the rollout's first kept call:
+        """(trainable parameters, ``values_digest`` of them) at the first kept call of each graph
+        that reads them:
         compared by each update call, for writes through ``.data`` (manual SGD, an EMA copied
         in) that neither version counters nor the optimizer hook see."""
 
@@ -473,6 +487,8 @@ class _State:
         self.index.clear()
         self.kept_bytes = self.buffer_bytes = 0
         self.digest = None
+        self.digest_ids = set()
+        self.claimed.clear()
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -561,8 +577,11 @@ class _GraphRuntime:
             return self._rollout(args, state.current, grad)
         if state.phase == "update" and self.g.trainable and grad:
             return self._update(args)
-        if state.phase == "update" and grad:
-            state.stats.forwards_run += 1
+        if state.phase == "update":
+            if grad:
+                state.stats.forwards_run += 1
+            else:
+                state.stats.no_grad_calls += 1
         return self._plain(args, grad)
 
     # -- helpers -----------------------------------------------------------------------------
@@ -698,6 +717,19 @@ class _GraphRuntime:
 
     # -- rollout ---------------------------------------------------------------------------
     def _rollout(self, args, train_rows: list[int], grad: bool):
+        """A trained rollout call. Under ``torch.inference_mode()`` (or with inference tensors
+        among its inputs) it runs with inference mode off, on copies of those inputs: what it
+        keeps must be normal tensors, whose version counters show an in-place edit by the
+        caller (inference tensors have none); the outputs are normal tensors."""
+        if torch.is_inference_mode_enabled() or any(
+                isinstance(a, Tensor) and a.is_inference() for a in args):
+            with torch.inference_mode(False):
+                args = [a.clone() if isinstance(a, Tensor) and a.is_inference() else a
+                        for a in args]
+                return self._rollout_kept(args, train_rows, grad)
+        return self._rollout_kept(args, train_rows, grad)
+
+    def _rollout_kept(self, args, train_rows: list[int], grad: bool):
         state, g = self.step._state, self.g
         if grad:
             raise ValueError("the rollout's trained calls must run under torch.no_grad() (their "
@@ -747,9 +779,14 @@ class _GraphRuntime:
                 _buffer_bytes(state) - before
         kept.watched = [(t, t._version) for i, t in enumerate(list(args) + outputs)
                         if isinstance(t, Tensor) and i not in self.params]
-        if state.digest is None:
-            trainable = [args[i] for i in self.params if args[i].requires_grad]
-            state.digest = (trainable, values_digest(trainable))
+        trainable = [args[i] for i in self.params if args[i].requires_grad]
+        new = [p for p in trainable if id(p) not in state.digest_ids]
+        if new:  # (each graph's own: two experts chosen by step are two graphs)
+            state.digest_ids.update(id(p) for p in new)
+            params, digest = state.digest or ([], None)
+            added = values_digest(new)
+            state.digest = (params + new, added if digest is None else
+                            torch.cat([digest, added.to(digest.device)]))
         keys = self.keys(args, batch, g.fingerprint)
         state.add(kept, keys)
         if g.sample_fingerprint:  # an update passing the drawn sample back matches these keys
@@ -1124,6 +1161,7 @@ class _GraphRuntime:
             return lambda args: run(*args)
         from torch._inductor.compile_fx import compile_fx
 
+        dense_scatter_bases(traced)
         with torch.no_grad():
             compiled = compile_fx(traced, list(inputs))
         return lambda args: compiled(*args)
@@ -1157,6 +1195,7 @@ class _GraphRuntime:
             else:
                 tensor = gather_rows([(kept.saved[k], kept.batch, rows) for kept, rows in runs],
                                      layout.outer, layout.inner)
+                tensor = _as_traced(tensor, g.saved_meta[k], symbols)
                 self.step._state.stats.gathered_bytes += tensor.numel() * tensor.element_size()
                 values.append(tensor)
         self.step._state.stats.gather_seconds += time.perf_counter() - start
@@ -1287,7 +1326,8 @@ class _GraphRuntime:
             k.runtime.g.sample_fingerprint and k.runtime.g.sample_fingerprint == g.fingerprint)]
         if not same_graph:
             return ("no kept rollout call computes the same function (another graph: a changed "
-                    "module state such as a disabled adapter, training mode, autocast, or other "
+                    "module state such as a disabled adapter, training mode, autocast, a hook added "
+                    "or removed, or other "
                     "argument types)" + self._sample_hint())
         return f"row {row}: inputs not seen in the rollout"
 
@@ -1329,13 +1369,33 @@ class _GraphRuntime:
             reason = layouts.get("reason") or "the LeanGRPO stage did not run"
             return self._fallback(args, f"rows regrouped, and {reason}")
         outputs = []
+        kept_storages = {o.untyped_storage().data_ptr() for kept, _ in runs
+                         for o in kept.outputs if isinstance(o, Tensor)}
         for j in range(g.num_outputs):
             if g.output_types[j] == "input":
                 outputs.append(args[g.output_bases[j]])
-            elif len(runs) == 1 and whole:
-                outputs.append(runs[0][0].outputs[j])
-            else:
-                outputs.append(kept_graph._gather_output(j, runs))
+                continue
+            out = runs[0][0].outputs[j] if len(runs) == 1 and whole else \
+                kept_graph._gather_output(j, runs)
+            # A copy, never the kept tensor (or a view of it): an in-place edit of the served
+            # output (v.mul_(dt)) would rewrite the rollout's output the caller holds and what
+            # the backward reads.
+            if isinstance(out, Tensor) and out.untyped_storage().data_ptr() in kept_storages:
+                out = out.clone()
+            outputs.append(out)
+        for kept, row in assignment:
+            if kept.mode != "reweight" or kept.samples is None:
+                continue
+            claimed = state.claimed.setdefault(kept.samples[row], set())
+            if (id(kept), row) in claimed:
+                raise ValueError(
+                    f"reweight keeps one gradient buffer per sample (rollout(samples=...)): the "
+                    f"sum of its trained steps' gradients, each once, applied when the last one "
+                    f"arrives. This update call serves a step of sample {kept.samples[row]} a "
+                    "second time, which that buffer cannot give (and a step served twice "
+                    "leaves another never served). Use schedule='retain', or rollout without "
+                    "samples= (one buffer per row)")
+            claimed.add((id(kept), row))
         for kept, rows in runs:
             kept.used.update(rows)
             if set(kept.rows) <= kept.used:
@@ -1468,6 +1528,31 @@ class _GraphRuntime:
         return self._plain(args, True)
 
 
+class ReuseWarning(UserWarning):
+    """An ``update()`` that reused less than half of its calls although the rollout kept
+    rows for them: the kept memory and the rollout's grad-mode forwards were mostly wasted."""
+
+
+def _warn_little_reuse(kept_rows: bool, stats: StepStats, calls: int, reused: int,
+                       recomputed: Counter) -> None:
+    """At ``update()`` exit: warn when the rollout kept rows and fewer than half of this
+    update's calls reused them, naming the most frequent reason."""
+    if stats is None or not kept_rows:
+        return
+    calls, reused = stats.update_calls - calls, stats.reused_calls - reused
+    if not calls or 2 * reused >= calls:
+        return
+    reasons = Counter(stats.recomputed)
+    reasons.subtract(recomputed)
+    top = max(((n, r) for r, n in reasons.items() if n > 0), default=(0, "unknown"))
+    warnings.warn(
+        f"update(): {reused} of {calls} calls reused what the rollout kept; the most frequent "
+        f"reason for the others ({top[0]} x): {top[1]}. If the rollout trains the wrong calls "
+        "(several sampling batches of T steps: rollout(train=..., trajectory_steps=T)), or "
+        "more than one optimizer step follows a rollout, the kept memory is wasted; see "
+        "step.stats.summary()", ReuseWarning, stacklevel=4)
+
+
 def _sample_ids(spec, index: int, batch: int) -> list[int] | None:
     if spec is None:
         return None
@@ -1520,6 +1605,34 @@ def _saved_size(g: StepGraphs, k: int, symbols: dict) -> int:
     """Saved value ``k`` (a size) for the sizes ``symbols`` (symbol -> int)."""
     expr = g.saved_meta[k]
     return int(expr.node.expr.subs(symbols) if isinstance(expr, torch.SymInt) else expr)
+
+
+def _as_traced(tensor: Tensor, meta, symbols: dict) -> Tensor:
+    """``tensor`` (gathered rows: contiguous) laid out with the strides the forward graph gave
+    the saved value ``meta`` (a fake tensor with symbolic sizes) at the sizes ``symbols``: a
+    compiled backward (Inductor's) assumes its inputs have the strides it was traced with
+    (attention's ``[B, H, S, D]`` views of ``[B, S, H, D]`` buffers, its logsumexp) and asserts
+    them."""
+    if not isinstance(meta, Tensor):
+        return tensor
+    stride = tuple(_concrete(d, symbols) for d in meta.stride())
+    if stride == tensor.stride():
+        return tensor
+    out = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device)
+    return out.copy_(tensor)
+
+
+def _concrete(size, symbols: dict) -> int:
+    """A traced size at the sizes ``symbols`` (symbol -> int; other symbols at their hint)."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expr = size.node.expr
+    free = {s: symbols[s] for s in expr.free_symbols if s in symbols}
+    value = expr.subs(free)
+    if value.is_number:
+        return int(value)
+    hints = size.node.shape_env.backed_var_to_val
+    return int(value.subs({s: hints[s] for s in value.free_symbols if s in hints}))
 
 
 _SLICES = {torch.ops.aten.slice.Tensor: 3, torch.ops.aten.slice_scatter.default: 4}
@@ -1593,11 +1706,28 @@ class _Backend:
         return _GraphRuntime(step, graphs)
 
 
+_GLOBAL_HOOKS = [0]
+"""Which set of global module hooks is registered now (``_note_global_hooks``), read by every
+step's entry so that Dynamo guards on it: ``register_module_forward_pre_hook`` and its kin
+change what a module call computes, and Dynamo guards no global hook."""
+_HOOK_SETS: dict = {((), (), (), ()): 0}
+
+
+def _note_global_hooks() -> None:
+    module = torch.nn.modules.module
+    key = (tuple(module._global_forward_pre_hooks), tuple(module._global_forward_hooks),
+           tuple(module._global_backward_pre_hooks), tuple(module._global_backward_hooks))
+    _GLOBAL_HOOKS[0] = _HOOK_SETS.setdefault(key, len(_HOOK_SETS))
+
+
 def _entry(fn: Callable) -> Callable:
     """A function that calls ``fn``, with a code object of its own: Dynamo keeps its compiled
     graphs (and counts recompiles against its limit) per code object, so each ``LeanStep`` gets
-    its own, whatever else compiles ``fn``."""
+    its own, whatever else compiles ``fn``. It reads ``_GLOBAL_HOOKS``: a global hook added or
+    removed recompiles."""
     def call(*args, **kwargs):
+        if _GLOBAL_HOOKS[0] < 0:  # (never: the read is what Dynamo guards)
+            raise AssertionError(_GLOBAL_HOOKS)
         return fn(*args, **kwargs)
 
     call.__code__ = call.__code__.replace()
@@ -1656,7 +1786,9 @@ class LeanStep:
         self._state_batch = batch
         if state.phase == "rollout":
             state.stats.rollout_calls += 1
-            state.current = state.train.rows(state.call_index, batch)
+            per = state.trajectory_steps
+            state.current = state.train.rows(
+                state.call_index if per is None else state.call_index % per, batch)
             state.current_samples = _sample_ids(state.samples, state.call_index, batch)
             state.call_index += 1
         state.reached = False
@@ -1666,10 +1798,19 @@ class LeanStep:
         # (Retain and Reweight would silently get other gradients than Recompute). The runtime
         # reads the caller's mode from the state; a no-grad call still runs no autograd.
         state.grad_mode = torch.is_grad_enabled()
+        # Hooks guarded: Dynamo by default skips the guards on modules' hook dicts
+        # (skip_nnmodule_hook_guards), so a hook added between the rollout and the update
+        # would run the graph traced without it, under every schedule. Plain torch.compile
+        # hides this only because its update call, with gradients on, recompiles anyway.
+        _note_global_hooks()
+        dynamo_config = torch._dynamo.config
+        skip_hook_guards = dynamo_config.skip_nnmodule_hook_guards
+        dynamo_config.skip_nnmodule_hook_guards = False
         try:
             with torch.enable_grad():
                 out = self._compiled(*args, **kwargs)
         finally:
+            dynamo_config.skip_nnmodule_hook_guards = skip_hook_guards
             state.current = None
             state.current_samples = None
         if state.phase is not None and not state.reached:
@@ -1685,11 +1826,17 @@ class LeanStep:
         return out
 
     @contextlib.contextmanager
-    def rollout(self, train=None, *, samples=None, schedule: str | None = None,
-                budget_bytes: int | None = None):
+    def rollout(self, train=None, *, trajectory_steps: int | None = None, samples=None,
+                schedule: str | None = None, budget_bytes: int | None = None):
         """The sampling loop: calls chosen by ``train`` keep what the schedule needs (see
         ``_Train`` for the forms ``train`` takes; default: every call, every row). Starting a
         rollout frees what an earlier one kept.
+
+        ``trajectory_steps``: the calls one trajectory makes (T denoising steps), for a loop
+        that samples several batches of T steps each (FlowGRPO's ``num_batches_per_epoch``):
+        ``train`` is then asked about the step within the trajectory (``call_index % T``), so
+        ``train=range(n)`` trains the first n steps of every batch, not the first n calls of
+        the whole rollout. ``samples`` still takes the call index.
 
         ``samples``: the sample (trajectory) each row of a call belongs to, as a LongTensor
         ``[calls, rows]`` or a function ``f(call_index) -> LongTensor [rows]``. With it,
@@ -1707,12 +1854,18 @@ class LeanStep:
         if schedule == "auto" and self.config.defer_reductions:
             raise ValueError("rollout(schedule='auto') with defer_reductions=True: ranks could "
                              "pick different schedules per call; pass retain or reweight")
+        if trajectory_steps is not None and (isinstance(trajectory_steps, bool) or not
+                                             isinstance(trajectory_steps, int)
+                                             or trajectory_steps < 1):
+            raise ValueError(f"trajectory_steps={trajectory_steps!r}: the number of calls one "
+                             "trajectory makes (its denoising steps), an int >= 1, or None")
         state.unwatch_optimizers()
         state.clear()
         state.stale = None
         state.schedule = schedule or self.config.schedule
         state.samples = samples
         state.train = _Train(train)
+        state.trajectory_steps = trajectory_steps
         state.call_index = 0
         state.phase = "rollout"
         if budget_bytes is not None:
@@ -1751,8 +1904,13 @@ class LeanStep:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         hook = register_optimizer_step_pre_hook(before_step)
+        stats = state.stats
+        calls, reused = stats.update_calls, stats.reused_calls
+        recomputed = Counter(stats.recomputed)
+        kept_rows = bool(state.kept)
         try:
             yield self
+            _warn_little_reuse(kept_rows, state.stats, calls, reused, recomputed)
             pending = state.pending_samples()
             if pending:
                 raise RuntimeError(
@@ -1843,6 +2001,59 @@ class LeanStep:
                 f"schedule={self.config.schedule!r}, {self.options})")
 
 
+class LeanModule(torch.nn.Module):
+    """``lean_compile(module, schedule=...)``: the module as the loop holds it, its calls
+    through a ``LeanStep``. Like ``torch.compile``'s ``OptimizedModule``, everything but the
+    call passes through to the wrapped module: attributes (``.config``, ``.dtype``,
+    ``disable_adapter()``), ``train()``/``eval()``, ``parameters()`` and ``state_dict()``
+    (the wrapped module's names, no prefix); ``.module`` is the wrapped module itself (what
+    FlowGRPO reaches through its DDP wrapper: ``transformer.module.disable_adapter()``). The
+    phases and stats are the step's: ``rollout()``, ``update()``, ``stats``, ``plan()``,
+    ``explain_schedules()``, ``discard_kept()``. So a diffusers pipeline takes it in place of
+    its transformer::
+
+        pipeline.transformer = leancompile.lean_compile(pipeline.transformer, schedule="retain")
+    """
+
+    _STEP_ATTRIBUTES = ("rollout", "update", "stats", "plan", "explain_schedules",
+                        "discard_kept", "take_deferred_grads", "reset_stats", "graphs",
+                        "reports", "_state")
+
+    def __init__(self, module: torch.nn.Module, step: LeanStep):
+        super().__init__()
+        self.module = module
+        object.__setattr__(self, "lean_step", step)
+
+    def forward(self, *args, **kwargs):
+        return self.lean_step(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name in LeanModule._STEP_ATTRIBUTES:
+            return getattr(self.__dict__["lean_step"], name)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args, **kwargs):
+        return self.module.named_buffers(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args, **kwargs):
+        return self.module.load_state_dict(*args, **kwargs)
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(dir(self.module)))
+
+    def __repr__(self) -> str:
+        return f"LeanModule(schedule={self.lean_step.config.schedule!r}, {self.module!r})"
+
+
 # ---------------------------------------------------------------------------------------------
 # The entry point
 
@@ -1862,7 +2073,8 @@ def lean_compile(fn=None, *, backend: str = "inductor", **options):
 
     With ``schedule=`` (``"auto"``, ``"retain"``, ``"reweight"``, ``"recompute"``) the result is
     a ``leancompile.step.LeanStep``: the function as compiled, plus ``rollout()`` and
-    ``update()`` phases in which an update call reuses the rollout's forward (LeanGRPO). It
+    ``update()`` phases in which an update call reuses the rollout's forward (LeanGRPO); for a
+    module, a ``LeanModule`` (the module as before, its calls through such a step). It
     also takes ``sample_output`` and ``sample_arg`` (a step that draws its sample inside),
     ``memory_budget_bytes`` and ``memory_fraction`` (``auto``'s budget), ``partitioner_budget``,
     ``reshard_after_forward`` and ``reweight_rows``; see ``StepConfig``. Any other keyword
@@ -1884,8 +2096,9 @@ def lean_compile(fn=None, *, backend: str = "inductor", **options):
         config = StepConfig(schedule=compile_options.schedule, **step_kwargs)
 
         def wrap_step(target):
-            return LeanStep(target, options=compile_options, config=config,
+            step = LeanStep(target, options=compile_options, config=config,
                             compile_kwargs=compile_kwargs)
+            return LeanModule(target, step) if isinstance(target, torch.nn.Module) else step
 
         return wrap_step if fn is None else wrap_step(fn)
     lean_backend = LeanBackend(compile_options)

@@ -117,6 +117,41 @@ _ALONG_DIM = {
     aten.argmax.default, aten.argmin.default,
     torch.ops.prims.rev.default,  # (flip, as Inductor's decompositions spell it)
 }
+# Reductions and normalisations that take their dims as an argument: row by row unless one of
+# them is dim 0 (or none is given: all dims).
+_OVER_DIMS = {
+    aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+    aten.var.correction, aten.var_mean.correction, aten.std.correction,
+    aten.std_mean.correction, aten.prod.dim_int, aten.max.dim, aten.min.dim,
+    aten.logsumexp.default, aten.linalg_vector_norm.default, aten.any.dim, aten.any.dims,
+    aten.all.dim, aten.all.dims, aten.aminmax.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.unsqueeze.default, aten.select.int, aten.narrow.default, aten.diagonal.default,
+    aten.unfold.default, aten.repeat_interleave.self_int, aten._fft_c2c.default,
+    aten._fft_r2c.default, aten._fft_c2r.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.slice_scatter.default, aten.select_scatter.default,
+    aten.diagonal_scatter.default,
+}
+# Ops that work on each entry of dim 0 on its own whatever their other arguments (the batch is
+# dim 0 of their input: attention's and convolution's N, per-sample norms and pools).
+_PER_ENTRY = {
+    aten.clone.default, aten.contiguous.default, aten._to_copy.default, aten.alias.default,
+    aten.detach.default, aten.lift_fresh_copy.default, aten.copy.default,
+    aten.convolution.default, aten.native_group_norm.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten._flash_attention_forward.default, aten._efficient_attention_forward.default,
+    aten.avg_pool2d.default, aten.max_pool2d_with_indices.default,
+    aten.avg_pool3d.default, aten.max_pool3d_with_indices.default,
+    aten.upsample_nearest2d.default, aten.upsample_nearest2d.vec,
+    aten.upsample_bilinear2d.default, aten.upsample_bilinear2d.vec,
+    aten.upsample_nearest3d.default, aten.upsample_nearest3d.vec,
+    aten.view_as_real.default, aten.view_as_complex.default, aten.real.default,
+    aten.imag.default, aten.complex.default, aten.polar.default, aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf,
+    aten.fill.Scalar, aten.fill.Tensor, aten.repeat.default,
+}
 _BATCH_MIXING = {aten._native_batch_norm_legit_functional.default,
                  aten._native_batch_norm_legit.default, aten.native_batch_norm.default,
                  aten._native_batch_norm_legit_no_training.default,
@@ -226,7 +261,7 @@ def _touches_dim0(node: fx.Node, x) -> bool:
     if schema is None:
         return True
     for i, arg in enumerate(schema.arguments):
-        if arg.name not in ("dim", "dims", "dimension"):
+        if arg.name not in ("dim", "dims", "dimension", "dim1", "dim2"):
             continue
         value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
         if value is None:  # None: all dims
@@ -341,6 +376,9 @@ class _Analysis:
             return self.split(node, carrying, vals)
         if target in _BATCH_MIXING or (target in _ALONG_DIM and _touches_dim0(node, carrying[0])):
             return Mixed(f"{_name(node)} combines entries along the batch dim")
+        unknown = _no_row_rule(node, carrying[0])
+        if unknown:
+            return Mixed(unknown)
         base = self.state[carrying[0]]
         out = []
         for v in vals:
@@ -413,8 +451,12 @@ class _Analysis:
         if target in (aten.expand.default,):
             return first if _dim0_of(val) == _dim0(first, symbol) else \
                 Mixed(f"{_name(node)} expands dim 0")
-        # Any other op: dim 0 kept as it is, every batch-carrying input in one layout (a
-        # _Uniform input fits any).
+        # Any other op with a row rule (an allowlist: pointwise ops, reductions and
+        # normalisations over other dims, per-entry ops such as attention): dim 0 kept as it
+        # is, every batch-carrying input in one layout (a _Uniform input fits any).
+        unknown = _no_row_rule(node, carrying[0])
+        if unknown:
+            return Mixed(unknown)
         dim0 = _dim0_of(val)
         first = next((self.state[a] for a in carrying
                       if not isinstance(self.state[a], _Uniform)), first)
@@ -559,6 +601,29 @@ class _Analysis:
         if len(inner) != 1:
             return Mixed(f"{_name(node)} joins blocks of different row counts")
         return RowLayout(sum(lay.outer for lay in layouts), inner.pop())
+
+
+def _no_row_rule(node: fx.Node, x) -> str:
+    """Why the row rule of an op that keeps dim 0 does not apply ("" when it does): an op is
+    row by row only where a rule says so (a pointwise op, an op over dims that are not dim 0,
+    an op that works on each dim-0 entry on its own); anything else (an unknown or custom op,
+    an FFT or scan along dim 0) may combine samples' entries without changing a shape."""
+    target = node.target
+    if torch.Tag.pointwise in getattr(target, "tags", ()) or target in _PER_ENTRY:
+        return ""
+    if target in _OVER_DIMS or target in _ALONG_DIM:
+        dims = _arg(node, 1, "dims", None) if target is aten.roll.default else ()
+        if dims == [] or (target is not aten.roll.default and _touches_dim0(node, x)):
+            return f"{_name(node)} works along dim 0, the batch"
+        return ""
+    if target is aten.constant_pad_nd.default:
+        pad = _arg(node, 1, "pad", [])
+        return f"{_name(node)} pads dim 0" if len(pad) // 2 >= _val(x).dim() else ""
+    if target is aten.native_layer_norm.default:
+        shape = _arg(node, 1, "normalized_shape", [])
+        return f"{_name(node)} normalises over dim 0" if len(shape) >= _val(x).dim() else ""
+    return (f"{_name(node)}: no row rule for this op (only ops known to work on each sample's "
+            "entries apart are followed: an unknown op may combine samples)")
 
 
 def _permutation(node: fx.Node) -> list[int]:

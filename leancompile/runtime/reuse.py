@@ -18,6 +18,8 @@ loss differentiates through what the rollout kept.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -118,12 +120,37 @@ def storage_bytes(tensors, exclude=()) -> int:
     return sum(seen.values())
 
 
+class _BackwardFn:
+    """Holds a ``Reused`` node's backward function (and through it what the rollout kept)
+    until autograd frees the node's saved state: after a backward without ``retain_graph``,
+    or when the graph is dropped."""
+
+    __slots__ = ("fn", "__weakref__")
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def drop(self) -> None:
+        self.fn = None
+
+
 class Reused(torch.autograd.Function):
-    """Outputs of a forward that did not run again; backward through ``backward_fn``."""
+    """Outputs of a forward that did not run again; backward through ``backward_fn``.
+
+    It behaves as a graph autograd recorded: ``backward(retain_graph=True)`` (or
+    ``autograd.grad(..., retain_graph=True)`` for logging) leaves it for a second backward; a
+    second backward without it raises autograd's own "backward through the graph a second
+    time" error (a token saved for backward is what autograd frees, and freeing it drops the
+    backward function with what it holds); ``create_graph=True`` raises, as
+    ``torch.compile``'s compiled backward does (the graphs are not differentiable twice)."""
 
     @staticmethod
     def forward(ctx, backward_fn, outputs, *inputs):
-        ctx.backward_fn = backward_fn
+        holder = _BackwardFn(backward_fn)
+        ctx.holder = holder
+        token = torch.empty(0)
+        ctx.save_for_backward(token)
+        weakref.finalize(token, holder.drop)
         ctx.set_materialize_grads(False)
         results = tuple(o.detach() if isinstance(o, Tensor) else o for o in outputs)
         non_diff = [o for o in results if isinstance(o, Tensor) and not o.is_floating_point()
@@ -134,6 +161,11 @@ class Reused(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *cotangents):
-        grads = ctx.backward_fn(list(cotangents))
-        ctx.backward_fn = None  # a second backward through it is an error, as for any graph
-        return (None, None, *grads)
+        ctx.saved_tensors  # autograd's error if a backward without retain_graph freed it
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "a double backward (create_graph=True, e.g. a gradient penalty) through a "
+                "lean_compile step: its compiled backward graphs are not differentiable "
+                "themselves (as torch.compile's are not). Compute the penalty from an "
+                "uncompiled call of the function")
+        return (None, None, *ctx.holder.fn(list(cotangents)))

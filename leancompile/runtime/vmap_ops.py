@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["COLLECTIVE_NAMESPACES", "VMAP_REPLACEMENTS", "agree_min", "vmap_friendly",
-           "unbatchable_collectives"]
+           "unbatchable_collectives", "dense_scatter_bases"]
 
 _aten = torch.ops.aten
 
@@ -187,3 +187,46 @@ def agree_min(value: int, group_name: str, device) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_resolve_process_group(group_name))
     return int(t.item())
+
+
+_SCATTERS = {
+    torch.ops.aten.index_put.default, torch.ops.aten.scatter_add.default,
+    torch.ops.aten.scatter.src, torch.ops.aten.scatter.value,
+    torch.ops.aten.scatter_reduce.two, torch.ops.aten.index_add.default,
+    torch.ops.aten.index_copy.default, torch.ops.aten.masked_scatter.default,
+    torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default,
+    torch.ops.aten.diagonal_scatter.default, torch.ops.aten.as_strided_scatter.default,
+}
+"""Out-of-place ops that write into a copy of their first argument."""
+
+
+def dense_scatter_bases(gm) -> int:
+    """Give every scatter-like op (``_SCATTERS``) of ``gm`` whose base is an ``expand`` a
+    dense copy of it, in place; returns how many. vmap's batching rule for the embedding
+    backward scatters each row's gradient into ``expand(zeros[num, dim], [rows, num, dim])``;
+    eager ``index_put`` copies its base first, but Inductor (torch 2.13) accumulates the rows
+    into the one shared ``[num, dim]`` buffer, so every row's gradient came back as the sum of
+    all rows'::
+
+        expand = aten.expand(full, [4, 4, 16])            expand = aten.expand(full, [4, 4, 16])
+        index_put = aten.index_put(expand, idx, v, True)  ->  dense = aten.clone(expand, contiguous)
+                                                          index_put = aten.index_put(dense, ...)
+    """
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _SCATTERS or not node.args:
+            continue
+        base = node.args[0]
+        if not (isinstance(base, torch.fx.Node) and base.op == "call_function"
+                and base.target is torch.ops.aten.expand.default):
+            continue
+        with gm.graph.inserting_before(node):
+            dense = gm.graph.call_function(torch.ops.aten.clone.default, (base,),
+                                           {"memory_format": torch.contiguous_format})
+        if "val" in base.meta:
+            dense.meta["val"] = base.meta["val"].clone(memory_format=torch.contiguous_format)
+        node.args = (dense, *node.args[1:])
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed
