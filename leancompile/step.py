@@ -1762,7 +1762,8 @@ class LeanStep:
         self.graphs: list[StepGraphs] = []
         self._state = _State(config)
         self._state_batch = None
-        kwargs = dict(compile_kwargs or {})
+        self.compile_kwargs = dict(compile_kwargs or {})
+        kwargs = dict(self.compile_kwargs)
         kwargs.setdefault("dynamic", False)
         self._compiled = torch.compile(_entry(fn), backend=_Backend(self), **kwargs)
         try:
@@ -2023,9 +2024,27 @@ class LeanModule(torch.nn.Module):
         super().__init__()
         self.module = module
         object.__setattr__(self, "lean_step", step)
+        object.__setattr__(self, "_signature", _keyword_signature(module))
 
     def forward(self, *args, **kwargs):
+        # Arguments by keyword, whichever way the caller passed them: the sampler calls
+        # transformer(x, t, ...) where the training code calls transformer(hidden_states=x,
+        # ...), and Dynamo names (and hashes) an input by how it was passed.
+        if args and self._signature is not None:
+            try:
+                kwargs = self._signature.bind(*args, **kwargs).arguments
+                args = ()
+            except TypeError:
+                pass  # (the module's own call raises its error)
         return self.lean_step(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        """A copy of the module under a step of its own (``copy.deepcopy(transformer)`` for a
+        reference or EMA model: a copied step would still call the original module)."""
+        module = copy.deepcopy(self.module, memo)
+        step = self.lean_step
+        return LeanModule(module, LeanStep(module, options=step.options, config=step.config,
+                                           compile_kwargs=step.compile_kwargs))
 
     def __getattr__(self, name: str):
         if name in LeanModule._STEP_ATTRIBUTES:
@@ -2052,6 +2071,21 @@ class LeanModule(torch.nn.Module):
 
     def __repr__(self) -> str:
         return f"LeanModule(schedule={self.lean_step.config.schedule!r}, {self.module!r})"
+
+
+def _keyword_signature(module: torch.nn.Module):
+    """The signature of ``module.forward`` when every parameter can be passed by keyword (no
+    ``*args``, no positional-only one), else None."""
+    import inspect
+
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY)
+           for p in signature.parameters.values()):
+        return None
+    return signature
 
 
 # ---------------------------------------------------------------------------------------------

@@ -372,9 +372,23 @@ def test_the_module_wrapper_is_the_module_for_all_but_the_call(base):
     with pytest.raises(AttributeError, match="no_such_thing"):
         wrapped.no_such_thing
     ref = _eager(fresh)
-    xs, cond = _rollout(wrapped, wrapped)
-    _update(wrapped, wrapped, xs, cond)
+    xs, cond = _rollout(wrapped, wrapped)  # (arguments by position)
+
+    def by_keyword(x, t, cond_):
+        return wrapped(x=x, t=t, cond=cond_)
+
+    _update(by_keyword, wrapped, xs, cond)
     assert wrapped.stats.reused_calls == 6 and _rel(_grads(model), ref) <= 1e-6
+    # A deep copy (a reference or EMA model) is the copied module under a step of its own.
+    copied = copy.deepcopy(wrapped)
+    assert copied.module is not model and copied.lean_step is not wrapped.lean_step
+    with torch.no_grad():
+        copied.module.out.weight.mul_(2)
+        x = torch.randn(4, D)
+        t = torch.zeros(4, dtype=torch.long)
+        cond = torch.zeros(4, C)
+        assert torch.allclose(copied(x, t, cond), copied.module(x, t, cond))
+        assert not torch.allclose(copied(x, t, cond), model(x, t, cond))
 
 
 def test_trajectory_steps_train_the_first_steps_of_every_sampling_batch(base):
@@ -419,3 +433,27 @@ def test_trajectory_steps_train_the_first_steps_of_every_sampling_batch(base):
     with pytest.raises(ValueError, match="trajectory_steps=0"):
         with step.rollout(trajectory_steps=0):
             pass
+
+
+@pytest.mark.parametrize("compiler,reference", [("inductor", "inductor"),
+                                                ("aot_eager", "aot_eager_decomp_partition")])
+def test_which_plain_compile_each_schedule_is_bitwise_equal_to(base, compiler, reference):
+    """What "the same gradients" means, exactly. The wrapper traces with Inductor's
+    decompositions and the min-cut partitioner whatever the backend, so recompute is bitwise
+    equal to plain ``torch.compile`` with ``backend="inductor"``, and with ``aot_eager`` to
+    ``torch.compile(backend="aot_eager_decomp_partition")`` (plain ``"aot_eager"``
+    decomposes nothing: 1e-8 apart here, amplified by a log-prob's small variance on a real
+    loop). Retain equals recompute bitwise when the update's batches are the rollout's
+    (regrouped rows are computed at another batch size, which may round a row differently)."""
+    whole = (torch.arange(4),)
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    plain = torch.compile(model, backend=reference)
+    xs, cond = _rollout(plain, None)
+    _update(plain, None, xs, cond, batches=whole)
+    ref = _grads(model)
+    for schedule in ("recompute", "retain"):
+        torch._dynamo.reset()
+        got, step = _wrapped(base, compiler, schedule, batches=whole)
+        assert step.stats.reused_calls == (3 if schedule == "retain" else 0)
+        assert torch.equal(got, ref), (schedule, _rel(got, ref))

@@ -2,7 +2,8 @@
 as its users write it and again with LeanGRPO added by three lines (``user_loops.py``):
 
     velocity = leancompile.lean_compile(policy.velocity, schedule="retain")
-    with phase(velocity, "rollout", train=n_train), torch.no_grad(): ...   # sampling, unchanged
+    with phase(velocity, "rollout", train=range(n_train), trajectory_steps=T), \
+            torch.no_grad(): ...                                     # sampling, unchanged
     with phase(velocity, "update"): ...                                    # training, unchanged
 
 Both runs start from the same weights and seeds. Printed: what the wrapper did (calls reused,

@@ -7,7 +7,8 @@ LeanGRPO lines are the wrapper and the two ``with`` lines (``_phase`` is a no-op
 function, so one loop body runs both ways and they can be compared)::
 
     velocity = leancompile.lean_compile(policy.velocity, schedule="auto")   # 1
-    with phase(velocity, "rollout", train=n_train), torch.no_grad():        # 2
+    with phase(velocity, "rollout", train=range(n_train), trajectory_steps=T), \
+            torch.no_grad():                                                    # 2
         ... sample T steps, keep latents and log-probs ...
     with phase(velocity, "update"):                                         # 3
         ... shuffle, minibatch, PPO, backward, clip, step ...
@@ -159,7 +160,9 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
         conditions = {k: v.repeat_interleave(config.group_size, 0) for k, v in prompts.items()}
         start = time.perf_counter()
         trajectories, log_probs = [], []
-        with phase(fn, "rollout", train=n_train), torch.no_grad():
+        # The first n_train steps of every sampling batch's trajectories are trained.
+        with phase(fn, "rollout", train=range(n_train), trajectory_steps=steps), \
+                torch.no_grad():
             for b in range(0, total, config.sample_batch):
                 cond = _rows(conditions, slice(b, b + config.sample_batch))
                 rows = next(iter(cond.values())).shape[0]
