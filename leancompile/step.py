@@ -1706,6 +1706,22 @@ class _Backend:
         return _GraphRuntime(step, graphs)
 
 
+def _tensors_of(args, kwargs) -> list[Tensor]:
+    """The tensors among a call's arguments, also inside lists, tuples and dicts (what
+    ``tree_flatten`` finds there, without its registry lookups: this runs on every call)."""
+    found = []
+    stack = list(kwargs.values())[::-1] + list(args)[::-1]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed(value))
+        elif isinstance(value, dict):
+            stack.extend(reversed(list(value.values())))
+    return found
+
+
 _GLOBAL_HOOKS = [0]
 """Which set of global module hooks is registered now (``_note_global_hooks``), read by every
 step's entry so that Dynamo guards on it: ``register_module_forward_pre_hook`` and its kin
@@ -1778,7 +1794,7 @@ class LeanStep:
 
     def __call__(self, *args, **kwargs):
         state = self._state
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        tensors = _tensors_of(args, kwargs)
         batch = next((t.shape[0] for t in tensors if t.dim() >= 1), 1)
         if batch > 1:
             for t in tensors:
@@ -2030,12 +2046,11 @@ class LeanModule(torch.nn.Module):
         # Arguments by keyword, whichever way the caller passed them: the sampler calls
         # transformer(x, t, ...) where the training code calls transformer(hidden_states=x,
         # ...), and Dynamo names (and hashes) an input by how it was passed.
-        if args and self._signature is not None:
-            try:
-                kwargs = self._signature.bind(*args, **kwargs).arguments
-                args = ()
-            except TypeError:
-                pass  # (the module's own call raises its error)
+        names = self._signature
+        if args and names is not None and len(args) <= len(names) and \
+                not kwargs.keys() & names[:len(args)]:
+            kwargs = {**dict(zip(names, args)), **kwargs}
+            args = ()
         return self.lean_step(*args, **kwargs)
 
     def __deepcopy__(self, memo):
@@ -2073,19 +2088,20 @@ class LeanModule(torch.nn.Module):
         return f"LeanModule(schedule={self.lean_step.config.schedule!r}, {self.module!r})"
 
 
-def _keyword_signature(module: torch.nn.Module):
-    """The signature of ``module.forward`` when every parameter can be passed by keyword (no
-    ``*args``, no positional-only one), else None."""
+def _keyword_signature(module: torch.nn.Module) -> tuple[str, ...] | None:
+    """The names of ``module.forward``'s parameters that a call may pass by position, when
+    every one of them can also be passed by keyword (no ``*args``, no positional-only one),
+    else None."""
     import inspect
 
     try:
         signature = inspect.signature(module.forward)
     except (TypeError, ValueError):
         return None
-    if any(p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY)
-           for p in signature.parameters.values()):
+    params = list(signature.parameters.values())
+    if any(p.kind in (p.VAR_POSITIONAL, p.POSITIONAL_ONLY) for p in params):
         return None
-    return signature
+    return tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD)
 
 
 # ---------------------------------------------------------------------------------------------
