@@ -126,6 +126,8 @@ def _cmd_bench(ns) -> int:
         from .benchmarks.buckets import main as bench_main
     elif ns.name == "soak":
         from .benchmarks.soak import main as bench_main
+    elif ns.name == "overhead":
+        from .benchmarks.overhead import main as bench_main
     else:
         from .benchmarks.overlap import main as bench_main
     return bench_main(ns.rest)
@@ -182,7 +184,8 @@ def main(argv=None) -> int:
 
     b = sub.add_parser("bench", help="run a benchmark (leancompile bench grpo --help)",
                        add_help=False)
-    b.add_argument("name", choices=("grpo", "loop", "overlap", "compile", "soak", "buckets"))
+    b.add_argument("name", choices=("grpo", "loop", "overlap", "compile", "soak", "buckets",
+                                       "overhead"))
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=_cmd_bench)
 

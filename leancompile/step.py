@@ -343,6 +343,8 @@ class _Kept:
     watched: list = field(default_factory=list)
     """(tensor, version) of its outputs and tensor inputs (parameters aside) as the rollout
     left them: the saved tensors may be views of them."""
+    keys: list = field(default_factory=list)
+    """The keys its rows are indexed under (``_State.index``)."""
 
     def changed(self) -> bool:
         """Whether the caller changed an output or input of this call in place since."""
@@ -436,8 +438,7 @@ class _State:
     def add(self, kept: _Kept, keys: list) -> None:
         self.watch_optimizers()
         self.kept.append(kept)
-        for row in kept.rows:
-            self.index.setdefault(keys[row], []).append((kept, row))
+        self.index_rows(kept, keys)
         if kept.mode == "retain":
             self.kept_bytes += kept.nbytes
             self.stats.peak_kept_bytes = max(self.stats.peak_kept_bytes, self.kept_bytes)
@@ -446,6 +447,12 @@ class _State:
             self.note_peak()
         self.stats.kept[kept.mode] += 1
         self.stats.kept_rows += len(kept.rows)
+
+    def index_rows(self, kept: _Kept, keys: list) -> None:
+        """Make ``kept``'s trained rows findable by their keys (one per row)."""
+        for row in kept.rows:
+            self.index.setdefault(keys[row], []).append((kept, row))
+            kept.keys.append(keys[row])
 
     def note_peak(self) -> None:
         self.stats.peak_buffer_bytes = max(self.stats.peak_buffer_bytes,
@@ -457,12 +464,12 @@ class _State:
         if kept not in self.kept:
             return
         self.kept.remove(kept)
-        for key in list(self.index):
-            entries = [e for e in self.index[key] if e[0] is not kept]
+        for key in set(kept.keys):
+            entries = [e for e in self.index.get(key, ()) if e[0] is not kept]
             if entries:
                 self.index[key] = entries
             else:
-                del self.index[key]
+                self.index.pop(key, None)
         if kept.mode == "retain":
             self.kept_bytes -= kept.nbytes
         else:
@@ -790,9 +797,8 @@ class _GraphRuntime:
         keys = self.keys(args, batch, g.fingerprint)
         state.add(kept, keys)
         if g.sample_fingerprint:  # an update passing the drawn sample back matches these keys
-            sample_keys = self.keys(args, batch, g.sample_fingerprint, g.sample_key_inputs)
-            for row in kept.rows:
-                state.index.setdefault(sample_keys[row], []).append((kept, row))
+            state.index_rows(kept, self.keys(args, batch, g.sample_fingerprint,
+                                             g.sample_key_inputs))
         return self._finish(outputs, args)
 
     def scalar_outputs(self, outputs, batch: int) -> list[int]:
@@ -1258,25 +1264,31 @@ class _GraphRuntime:
             candidates = state.index.get(key, [])
             if not candidates:
                 return None, self._why_not(args, row)
-            stale = [c for c in candidates if any(
-                s in c[0].versions and c[0].versions[s] != v for s, v in versions.items())]
-            if stale and len(stale) == len(candidates):
+            # Rows not yet used first, by this call either (two samples with equal rows, as
+            # DanceGRPO's shared initial noise makes at its first step, each get their own);
+            # the first that is fresh, unedited and equal value by value serves.
+            taken = {(id(k), r) for k, r in assignment}
+            ordered = sorted(candidates,
+                             key=lambda c: ((id(c[0]), c[1]) in taken, c[1] in c[0].used))
+            found, stale, edited = None, 0, 0
+            for c in ordered:
+                if any(s in c[0].versions and c[0].versions[s] != v
+                       for s, v in versions.items()):
+                    stale += 1
+                elif c[0].changed():
+                    edited += 1
+                elif self._same_row(args, row, *c):
+                    found = c
+                    break
+            if found is None and stale == len(candidates):
                 state.clear()
                 return None, ("the parameters changed since the rollout (an optimizer step, an "
                               "in-place change, or requires_grad set or cleared): kept state is "
                               "stale")
-            fresh = [c for c in candidates if c not in stale]
-            edited = [c for c in fresh if c[0].changed()]
-            if edited and len(edited) == len(fresh):
+            if found is None and edited and stale + edited == len(candidates):
                 return None, ("an output or input of the kept rollout call was changed in place "
                               "after the rollout (what it kept may be views of them): clone "
                               "before editing, e.g. v = v * dt instead of v.mul_(dt)")
-            fresh = [c for c in fresh if c not in edited]
-            # Rows not yet used first, by this call either (two samples with equal rows, as
-            # DanceGRPO's shared initial noise makes at its first step, each get their own).
-            taken = {(id(k), r) for k, r in assignment}
-            fresh.sort(key=lambda c: ((id(c[0]), c[1]) in taken, c[1] in c[0].used))
-            found = next((c for c in fresh if self._same_row(args, row, *c)), None)
             if found is None:
                 return None, f"row {row}: inputs not seen in the rollout (fingerprint collision)"
             assignment.append(found)
