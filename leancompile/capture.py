@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .passes.row_layout import size_in_batch
 from .runtime.frameless import frameless
 
 __all__ = ["RandomOpInGraphError", "InputRole", "StepGraphs", "capture_graph"]
@@ -328,18 +329,6 @@ def _batch_symbol(fakes, roles):
             if isinstance(d0, torch.SymInt) and d0.node.expr.is_Symbol:
                 return d0.node.expr
     return None
-
-
-def size_in_batch(size, symbol):
-    """A traced size as an int or a sympy expression of the batch symbol alone: other
-    symbols (e.g. the size of the generator state a checkpointed random op saves, which the
-    fake mode made symbolic) take the value they were traced with."""
-    if not isinstance(size, torch.SymInt):
-        return int(size)
-    expr, shape_env = size.node.expr, size.node.shape_env
-    hints = shape_env.backed_var_to_val
-    expr = expr.subs({s: hints[s] for s in expr.free_symbols if s != symbol and s in hints})
-    return int(expr) if expr.is_number else expr
 
 
 def _structural_hashes(gm: fx.GraphModule, roles: list[InputRole], cut: int | None = None):

@@ -182,7 +182,7 @@ def graph_flops(gm, batch_symbol, batch: int) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from ..capture import size_in_batch
+    from .row_layout import size_in_batch
 
     def concrete(size):
         if isinstance(size, torch.SymInt):

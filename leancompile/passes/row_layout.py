@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["RowLayout", "Mixed", "find_row_layouts", "layout_of_shape", "declare_same_rows",
-           "forget_same_rows", "same_rows_groups"]
+           "forget_same_rows", "same_rows_groups", "size_in_batch"]
 
 aten = torch.ops.aten
 
@@ -238,6 +238,18 @@ def layout_of_shape(shape, symbol) -> RowLayout | Mixed | None:
     if not (ratio.is_Integer and ratio > 0):
         return Mixed(f"dim 0 is {shape[0]}, not a multiple of the batch size")
     return RowLayout(1, int(ratio))
+
+
+def size_in_batch(size, symbol):
+    """A traced size as an int or a sympy expression of the batch symbol alone: other
+    symbols (e.g. the size of the generator state a checkpointed random op saves, which the
+    fake mode made symbolic) take the value they were traced with."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expr, shape_env = size.node.expr, size.node.shape_env
+    hints = shape_env.backed_var_to_val
+    expr = expr.subs({s: hints[s] for s in expr.free_symbols if s != symbol and s in hints})
+    return int(expr) if expr.is_number else expr
 
 
 def _dim0(layout: RowLayout, symbol):
