@@ -17,7 +17,7 @@ from .passes import PassResult, Site, pass_names
 from .pipeline import UnrewrittenCollectiveError
 from .runtime import p2p as _p2p  # noqa: F401  (registers the leancompile:: ops)
 from .sim import DeviceProfile, Timeline, simulate
-from .step import lean_compile
+from .lean import lean_compile
 
 __all__ = [
     "backend", "lean_compile", "install", "Installation", "explain", "last_report", "Report",

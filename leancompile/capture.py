@@ -2,7 +2,7 @@
 the pass pipeline and the compiler, with what the LeanGRPO step wrapper needs to know about them.
 
 ``capture_graph(gm, example_inputs, ...)`` (called from the Dynamo backend of
-``leancompile.step.LeanStep``) traces the graph once, with gradients, with Inductor's
+``leancompile.lean.LeanStep``) traces the graph once, with gradients, with Inductor's
 decompositions and the min-cut partitioner; the inference graph is the forward graph without
 what it saves for the backward (``without_saved``). It runs leancompile's pipeline on each
 graph and compiles it (``aot_eager``: as it is; ``inductor``: ``compile_fx_inner`` with the
@@ -118,7 +118,7 @@ def _random_ops(gm: fx.GraphModule) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Capture of one Dynamo graph, for the LeanGRPO step wrapper (``leancompile.step``)
+# Capture of one Dynamo graph, for the LeanGRPO step wrapper (``leancompile/lean``)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,7 +170,7 @@ class StepGraphs:
     fingerprint: tuple = ()
     """Hashes of what each output computes from the inputs' roles (inference graph)."""
     sample_fingerprint: tuple = ()
-    """The same with ``sample_output`` treated as an input (see ``leancompile.step``)."""
+    """The same with ``sample_output`` treated as an input (see ``leancompile/lean``)."""
     key_inputs: list[int] = field(default_factory=list)
     """Inputs the outputs depend on (parameters excluded)."""
     sample_key_inputs: list[int] = field(default_factory=list)
@@ -195,7 +195,7 @@ class StepGraphs:
     (one batch-1 backward per row, vectorised)."""
     traced_frozen: list[int] = field(default_factory=list)
     """Tensor inputs that did not require grad when the graphs were traced: the backward
-    computes no gradient for them (``leancompile.step`` refuses a call where one now does)."""
+    computes no gradient for them (``leancompile/lean`` refuses a call where one now does)."""
     _kept_bytes_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """``kept_bytes`` by batch (substituting into sympy expressions costs milliseconds, and the
     trainer and the wrapper ask on every call)."""
@@ -303,7 +303,7 @@ def _role(node: fx.Node, value) -> InputRole:
     arg = node.meta.get("grapharg")
     source = arg.source.name if arg is not None and getattr(arg, "source", None) is not None \
         else node.name
-    if node.meta.get("leancompile_sample"):  # the update's sample argument (leancompile.step)
+    if node.meta.get("leancompile_sample"):  # the update's sample argument (leancompile/lean)
         source = "<sample>"
     if isinstance(value, torch.nn.Parameter):
         kind = "param"

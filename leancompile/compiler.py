@@ -1,5 +1,5 @@
 """Two of the three ways into the pipeline: ``backend()`` and ``install()`` (the third,
-``lean_compile``, is in ``leancompile.step``, with the LeanGRPO phases it can add).
+``lean_compile``, is in ``leancompile/lean``, with the LeanGRPO phases it can add).
 
 All three run the same ``Pipeline`` on the post-grad graphs AOTAutograd produces (forward,
 backward and inference). With Inductor our pipeline is Inductor's ``post_grad_custom_pre_pass``,

@@ -115,7 +115,7 @@ class CompileOptions:
 
     schedule: str | None = None
     """LeanGRPO schedule of a step wrapped by ``lean_compile(fn, schedule=...)``: ``auto``,
-    ``retain``, ``reweight`` or ``recompute`` (see ``leancompile.step``); turns on the
+    ``retain``, ``reweight`` or ``recompute`` (see ``leancompile/lean``); turns on the
     ``lean_grpo`` stage of the pipeline. ``backend()`` and ``install()`` refuse it: the
     rollout/update phases live on the object ``lean_compile`` returns."""
 

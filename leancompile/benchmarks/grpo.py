@@ -44,7 +44,7 @@ import torch
 from .timing import add_malloc_flag, apply_malloc_flag, ideal_ratio, join_torchrun, step_times
 
 __all__ = ["BenchConfig", "EagerResult", "eager_flow_grpo_gradients", "run_grpo_bench",
-           "format_table", "main"]
+           "format_table", "flat_grads", "main"]
 
 COMPILERS = ("aot_eager", "inductor")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -89,7 +89,7 @@ class BenchConfig:
     threads: int | None = None
     device: str = "cpu"
     """Where the model runs: ``cpu`` or ``cuda`` (``cuda:N``); every timer waits for the
-    device's queued work (``leancompile.step.synchronize``)."""
+    device's queued work (``leancompile.lean.synchronize``)."""
     dtype: str = "float32"
     """The transformer's weights: ``float32`` or ``bfloat16`` (the SDE and log-probs stay
     float32, as in FlowGRPO and DanceGRPO)."""
@@ -205,7 +205,7 @@ def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Ten
     from ..grpo.rewards import check_rewards
     from ..grpo.sde import sde_step
     from ..grpo.layout import draw_samples, step_seed
-    from ..step import synchronize
+    from ..lean import synchronize
 
     if config.beta > 0:
         raise ValueError("the eager FlowGRPO row has no KL term; use beta=0")
@@ -285,7 +285,8 @@ def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Ten
 
 
 # -- the benchmark -----------------------------------------------------------------------------
-def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+def flat_grads(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every gradient of ``grads`` flattened into one float64 vector (in the dict's order)."""
     return torch.cat([g.detach().flatten().double() for g in grads.values()])
 
 
@@ -393,7 +394,7 @@ def run_grpo_bench(config: BenchConfig, *, log=print) -> dict:
             ratio_errors[row] = max(ratio_errors[row], result.ratio_error or 0.0)
             syncs[row] = (getattr(result, "sync_collectives", 0),
                           getattr(result, "sync_bytes", 0))
-            last[row] = (_flat(result.grads), getattr(result, "retained_bytes", 0),
+            last[row] = (flat_grads(result.grads), getattr(result, "retained_bytes", 0),
                          getattr(result, "buffer_bytes", 0))
             del result
             log(f"[bench] round {i + 1} {label(*row)}: rollout {times[row][-1][0]:.3f} s, "

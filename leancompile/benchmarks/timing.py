@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from ..step import synchronize
+from ..lean import synchronize
 
 __all__ = ["median_seconds", "step_times", "ideal_ratio", "add_malloc_flag", "apply_malloc_flag",
            "join_torchrun"]

@@ -31,7 +31,7 @@ import torch
 from ..grpo.advantages import AdvantageConfig, group_advantages, group_ids_for
 from ..grpo.sde import kl_to_reference, sde_step
 from ..grpo.timesteps import same_noise_latents
-from ..step import synchronize
+from ..lean import synchronize
 
 __all__ = ["LoopConfig", "LoopResult", "flow_grpo_loop", "dance_grpo_loop", "make_step",
            "phase"]

@@ -38,7 +38,7 @@ from ..passes.lean_grpo import (SCHEDULES, SchedulePlan, ScheduleReport, StepCos
                                 build_schedule_plans, choose_schedule, graph_flops,
                                 reweight_rows_per_backward)
 from ..passes.result import format_bytes
-from ..step import LeanStep, StepConfig, free_memory_bytes, synchronize
+from ..lean import LeanStep, StepConfig, free_memory_bytes, synchronize
 from .advantages import AdvantageConfig, group_advantages, group_ids_for
 from .rewards import check_rewards
 from .sde import SDE_KINDS, sde_step

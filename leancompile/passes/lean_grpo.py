@@ -6,7 +6,7 @@ log_prob[, mean], *saved)``, backward graph ``(*saved, cotangents) -> grads``, i
 the timestep selection drawn before the rollout, and the byte size of one trainable-parameter
 gradient. Output: a ``SchedulePlan`` per schedule. A plan is data: which graph runs at each
 rollout step for selected and unselected samples, what runs once the rewards are known, and
-the cotangent of each backward. ``leancompile.step.LeanStep`` executes it (the trainer,
+the cotangent of each backward. ``leancompile.lean.LeanStep`` executes it (the trainer,
 ``leancompile.grpo.trainer``, drives one).
 
 Rollout and update per schedule (``S_i`` = selected steps of sample ``i``, ``B`` samples)::

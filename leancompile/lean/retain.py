@@ -1,0 +1,58 @@
+"""Retain's regrouped rows: the saved tensors (and outputs) of an update batch gathered row by
+row from the kept calls that computed them, laid out as the forward laid them out. ``Retain``
+is a part of ``GraphRuntime`` (``runtime.py``)."""
+
+from __future__ import annotations
+
+import time
+
+from ..runtime.reuse import gather_rows
+from .graphs import as_traced, saved_size
+
+__all__ = ["Retain"]
+
+
+class Retain:
+    """Gathering kept rows (``GraphRuntime`` methods)."""
+
+    def _runs(self, assignment):
+        """Consecutive rows from one kept call, as (kept, [rows])."""
+        runs = []
+        for kept, row in assignment:
+            if runs and runs[-1][0] is kept:
+                runs[-1][1].append(row)
+            else:
+                runs.append((kept, [row]))
+        return runs
+
+    def _gathered_saved(self, runs, total: int) -> list:
+        g = self.g
+        start = time.perf_counter()
+        layouts = g.layouts["saved"]
+        first = runs[0][0]
+        symbols = dict(first.symbols)
+        if g.batch_symbol is not None:
+            symbols[g.batch_symbol] = total
+        values = []
+        for k in g.bw_saved:
+            layout = layouts[k]
+            if layout == "symint":
+                values.append(saved_size(g, k, symbols))
+            elif layout is None:
+                values.append(first.saved[k])
+            else:
+                tensor = gather_rows([(kept.saved[k], kept.batch, rows) for kept, rows in runs],
+                                     layout.outer, layout.inner)
+                tensor = as_traced(tensor, g.saved_meta[k], symbols)
+                self.step._state.stats.gathered_bytes += tensor.numel() * tensor.element_size()
+                values.append(tensor)
+        self.step._state.stats.gather_seconds += time.perf_counter() - start
+        return values
+
+    def _gather_output(self, j, runs):
+        layout = self.g.layouts["outputs"][j]
+        first = runs[0][0]
+        if layout is None or layout == "symint":
+            return first.outputs[j]
+        return gather_rows([(kept.outputs[j], kept.batch, rows) for kept, rows in runs],
+                           layout.outer, layout.inner)

@@ -1,0 +1,472 @@
+"""One Dynamo graph of a wrapped function at run time: ``GraphRuntime`` is the compiled function
+Dynamo calls, dispatching each call by phase (outside the phases: as ``torch.compile`` would;
+rollout: keep what the schedule needs; update: reuse what was kept, or recompute with the
+reason). Its parts: row keys and matching (``keys.py``), Retain's gathered rows
+(``retain.py``), Reweight's per-row gradients (``reweight.py``)."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from ..capture import RandomOpInGraphError, StepGraphs
+from ..runtime.reuse import Reused, storage_bytes, values_digest
+from .graphs import (batch_independent, cotangent_rows, empty_outputs, numel_per_row,
+                     output_shape, readable)
+from .keys import Keys
+from .retain import Retain
+from .reweight import Reweight
+from .config import ReuseWarning, StepStats
+from .state import KeptCall, buffer_bytes
+
+if TYPE_CHECKING:  # (api.py imports this module)
+    from .api import LeanStep
+
+__all__ = ["GraphRuntime", "warn_little_reuse"]
+
+
+class GraphRuntime(Keys, Retain, Reweight):
+    """The compiled function Dynamo calls for one graph of the wrapped function."""
+
+    def __init__(self, step: "LeanStep", graphs: StepGraphs):
+        self.step = step
+        self.g = graphs
+        self.params = [i for i, r in enumerate(graphs.roles) if r.kind == "param"]
+        symbol = graphs.batch_symbol
+        placeholders = [n for n in (graphs.forward or graphs.inference).graph.nodes
+                        if n.op == "placeholder"]
+        self.symbol_inputs = {}
+        for i, node in enumerate(placeholders):
+            val = node.meta.get("val")
+            if isinstance(val, torch.SymInt) and val.node.expr.is_Symbol:
+                self.symbol_inputs[i] = val.node.expr
+        self.batch_symint = {i for i, s in self.symbol_inputs.items() if s == symbol}
+        self.sample_input = next((i for i, r in enumerate(graphs.roles)
+                                  if r.source == "<sample>"), None)
+        self.trainable_sources = [graphs.roles[i].source for i in self.params]
+        self._at_one: tuple | None = None
+        self._vmap_backward: fx.GraphModule | None = None
+        self._unbatchable_reason: str | None = None
+        self._exchanges: list[str] | None = None
+        self._row_backwards: dict = {}
+        self._inplace_matmuls = 0
+        self._deferred_outputs: set[int] = set()
+        self._unreduced: fx.GraphModule | None = None
+        """Reweight's compiled per-row backwards, by (number of rows, output, sizes)."""
+        self._rows_like: dict[str, int] = {}
+        """For a graph specialised to a batch of 1: the rows per sample of each input, from the
+        kept graph with a symbolic batch that computes the same (``_fingerprint_for``)."""
+
+    def __call__(self, *args):
+        state = self.step._state
+        state.reached = True
+        state.graphs_called.append(self.g)
+        args = list(args)
+        grad = state.grad_mode
+        if state.phase == "plan":  # compiled, not run: outputs of the right metadata
+            return self._finish(empty_outputs(self.g), args)
+        if grad or state.phase == "rollout":
+            self._check_frozen(args)
+        if state.phase == "rollout" and state.current is not None and self.g.trainable:
+            return self._rollout(args, state.current, grad)
+        if state.phase == "update" and self.g.trainable and grad:
+            return self._update(args)
+        if state.phase == "update":
+            if grad:
+                state.stats.forwards_run += 1
+            else:
+                state.stats.no_grad_calls += 1
+        return self._plain(args, grad)
+
+    def _check_frozen(self, args) -> None:
+        """Refuse a call where an input that did not require grad when the graphs were traced
+        now does: their backward has no gradient for it. Dynamo recompiles for such a change
+        of an input's ``requires_grad``, but torch 2.11 does not for a parameter read from a
+        module (plain ``torch.compile`` there leaves its ``.grad`` empty)."""
+        changed = [readable(self.g.roles[i].source) for i in self.g.traced_frozen
+                   if args[i].requires_grad]
+        if changed:
+            one = len(changed) == 1
+            raise RuntimeError(
+                f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} now "
+                f"require{'s' if one else ''} grad but did not when this graph was compiled, "
+                "and Dynamo ran the graph without compiling it again: its backward would give "
+                f"{'it' if one else 'them'} no gradient. Set requires_grad before the first "
+                "compiled call, or call torch._dynamo.reset() after changing it (torch "
+                f"{torch.__version__}; torch 2.11 does not recompile for a module's "
+                "parameter, torch 2.13 does)")
+
+    def _batch(self, args) -> int:
+        for i, role in enumerate(self.g.roles):
+            if role.batch_rows:
+                return args[i].shape[0] // role.batch_rows
+        return self.step._state_batch or 1
+
+    def _rows_of_input(self, i: int) -> int:
+        role = self.g.roles[i]
+        return role.batch_rows or self._rows_like.get(role.source, 0)
+
+    def _finish(self, outputs, args) -> tuple:
+        out = list(outputs)
+        for j, kind in enumerate(self.g.output_types):
+            if kind == "input":
+                out[j] = args[self.g.output_bases[j]]
+        return tuple(out)
+
+    def _symbols(self, args) -> dict:
+        return {sym: int(args[i]) for i, sym in self.symbol_inputs.items()}
+
+    def _versions(self, args) -> dict:
+        """Per parameter: its version counter, storage and ``requires_grad`` (a parameter
+        frozen in the rollout has no gradient in what the rollout kept)."""
+        return {self.g.roles[i].source: (args[i]._version, args[i].data_ptr(),
+                                         args[i].requires_grad)
+                for i in self.params}
+
+    def _plain(self, args, grad: bool):
+        g = self.g
+        needs = grad and g.trainable and any(
+            isinstance(a, Tensor) and a.requires_grad for a in args)
+        if not needs:
+            with torch.no_grad():
+                outs = g.run_inference(args)
+            return self._finish(outs[:g.num_outputs], args)
+        with torch.no_grad():
+            full = g.run_forward(args)
+        outputs, saved = list(full[:g.num_outputs]), list(full[g.num_outputs:])
+        inputs = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
+
+        def backward_fn(cotangents):
+            grads = self._backward([saved[k] for k in g.bw_saved], outputs, cotangents)
+            return [grads[i] for i in inputs]
+
+        results = Reused.apply(backward_fn, outputs, *[args[i] for i in inputs])
+        return self._finish(results, args)
+
+    def _tangents(self, outputs, cotangents) -> list:
+        """The backward graph's tangent inputs: the differentiable outputs' cotangents
+        (zeros where none)."""
+        tangents = []
+        for j in self.g.differentiable:
+            c = cotangents[j] if j < len(cotangents) else None
+            tangents.append(torch.zeros_like(outputs[j]) if c is None else c.contiguous())
+        return tangents
+
+    def _backward(self, bw_saved, outputs, cotangents) -> list:
+        tangents = self._tangents(outputs, cotangents)
+        self.step._state.stats.backward_graphs_run += 1
+        with torch.no_grad():
+            return list(self.g.run_backward(list(bw_saved) + tangents))
+
+    def _rollout(self, args, train_rows: list[int], grad: bool):
+        """A trained rollout call. Under ``torch.inference_mode()`` (or with inference tensors
+        among its inputs) it runs with inference mode off, on copies of those inputs: what it
+        keeps must be normal tensors, whose version counters show an in-place edit by the
+        caller (inference tensors have none); the outputs are normal tensors."""
+        if torch.is_inference_mode_enabled() or any(
+                isinstance(a, Tensor) and a.is_inference() for a in args):
+            with torch.inference_mode(False):
+                args = [a.clone() if isinstance(a, Tensor) and a.is_inference() else a
+                        for a in args]
+                return self._rollout_kept(args, train_rows, grad)
+        return self._rollout_kept(args, train_rows, grad)
+
+    def _rollout_kept(self, args, train_rows: list[int], grad: bool):
+        state, g = self.step._state, self.g
+        if grad:
+            raise ValueError("the rollout's trained calls must run under torch.no_grad() (their "
+                             "outputs carry no autograd graph: the update gets the gradients)")
+        schedule = state.schedule
+        if g.random_ops and schedule != "recompute":
+            raise RandomOpInGraphError(
+                f"the wrapped step draws random numbers ({', '.join(g.random_ops[:3])}): an "
+                "update's forward would not repeat the rollout's, so nothing can be reused. "
+                "Call model.eval() (dropout), pass the noise in as an argument (a step that "
+                "samples), or use schedule='recompute'")
+        if g.sample_grad_outputs and schedule != "recompute":
+            j = self.step.config.sample_output
+            raise ValueError(
+                f"the wrapped step's drawn sample (output {j}, sample_output={j}) carries "
+                f"gradient into output(s) {g.sample_grad_outputs}: the rollout's backward "
+                "differentiates through the sample, while the update, which passes it back in "
+                f"{self.step.config.sample_arg}=, holds it constant, so reusing the rollout "
+                "would give other gradients. Detach the drawn sample where the step reads it "
+                "(FlowGRPO and DanceGRPO compute the log-prob from prev_sample.detach()), or use "
+                "schedule='recompute'")
+        batch = self._batch(args)
+        train_rows = [r for r in train_rows if r < batch]
+        state.stats.trained_calls += 1
+        mode, why = self._choose(args, batch, train_rows)
+        if mode is None:
+            state.stats.kept[why] += 1
+            return self._plain(args, False)
+        with torch.no_grad():
+            full = list(g.run_forward(args))
+        outputs, saved = full[:g.num_outputs], full[g.num_outputs:]
+        kept = KeptCall(runtime=self, mode=mode, args=args, batch=batch, outputs=outputs,
+                     saved=saved if mode == "retain" else None, grads={}, rows=train_rows,
+                     versions=self._versions(args), symbols=self._symbols(args))
+        params = [a for a in args if isinstance(a, Tensor)]
+        if mode == "retain":
+            kept.nbytes = storage_bytes(saved, exclude=params)
+        else:
+            kept.saved = saved  # read while the per-row gradients are taken, then dropped
+            before = buffer_bytes(state)
+            kept.samples = state.current_samples
+            self._row_gradients(kept, saved)
+            kept.saved = None
+            kept.nbytes = sum(t.numel() * t.element_size()
+                              for key, grads in kept.grads.items() if isinstance(key, tuple)
+                              for t in grads.values() if t is not None) + \
+                buffer_bytes(state) - before
+        kept.watched = [(t, t._version) for i, t in enumerate(list(args) + outputs)
+                        if isinstance(t, Tensor) and i not in self.params]
+        trainable = [args[i] for i in self.params if args[i].requires_grad]
+        new = [p for p in trainable if id(p) not in state.digest_ids]
+        if new:  # (each graph's own: two experts chosen by step are two graphs)
+            state.digest_ids.update(id(p) for p in new)
+            params, digest = state.digest or ([], None)
+            added = values_digest(new)
+            state.digest = (params + new, added if digest is None else
+                            torch.cat([digest, added.to(digest.device)]))
+        keys = self.keys(args, batch, g.fingerprint)
+        state.add(kept, keys)
+        if g.sample_fingerprint:  # an update passing the drawn sample back matches these keys
+            state.index_rows(kept, self.keys(args, batch, g.sample_fingerprint,
+                                             g.sample_key_inputs))
+        return self._finish(outputs, args)
+
+    def scalar_outputs(self, outputs, batch: int) -> list[int]:
+        """Differentiable outputs holding one value per row: what reweight keeps gradients of
+        (by the traced shape: an output that does not depend on the batch is not one, even
+        when its length equals this call's batch size)."""
+        return [j for j in self.g.differentiable
+                if isinstance(outputs[j], Tensor) and outputs[j].numel() == batch
+                and outputs[j].dim() >= 1 and outputs[j].shape[0] == batch
+                and numel_per_row(self.g, j, batch) == 1]
+
+    def _choose(self, args, batch, rows) -> tuple[str | None, str]:
+        state, g = self.step._state, self.g
+        schedule = state.schedule
+        if schedule == "recompute":
+            return None, "nothing (schedule='recompute')"
+        fake_scalar = [j for j in g.differentiable
+                       if g.forward is not None and numel_per_row(g, j, batch) == 1]
+        if schedule == "reweight":
+            if not fake_scalar:
+                raise ValueError(
+                    "schedule='reweight' keeps one gradient per row of a per-row scalar output "
+                    "(a log-prob), and the wrapped function returns none (outputs "
+                    f"{[tuple(output_shape(g, j)) for j in range(g.num_outputs)]}): wrap the whole "
+                    "step (velocity + SDE + log-prob), or use schedule='retain'")
+            return "reweight", ""
+        if schedule == "retain":
+            return "retain", ""
+        # auto: retain while the kept activations fit, then reweight, else nothing.
+        estimate = g.kept_bytes(batch)
+        if state.kept_bytes + estimate <= state.budget:
+            return "retain", ""
+        grad_bytes = sum(args[i].numel() * args[i].element_size() for i in self.params
+                         if args[i].requires_grad)
+        if fake_scalar:
+            samples = state.current_samples
+            new = len(rows) if samples is None else len(
+                {samples[r] for r in rows} - {s for s, _ in state.sample_grads})
+            buffers = new * len(fake_scalar) * grad_bytes
+            if state.buffer_bytes + buffers <= state.budget - state.kept_bytes:
+                return "reweight", ""
+        return None, (f"nothing (auto: {estimate} more bytes would exceed the memory budget of "
+                      f"{state.budget} bytes)")
+
+    def _update(self, args):
+        state = self.step._state
+        state.stats.update_calls += 1
+        assignment, reason = self._match(args)
+        if assignment is None:
+            if state.kept:  # (a parameter change frees everything: recomputed everywhere)
+                return self._fallback(args, reason)
+            return self._recompute(args, reason)
+        return self._reuse(args, assignment)
+
+    def _fallback(self, args, reason: str):
+        """An update call that should have reused kept state and cannot: recomputed, or
+        ``StepConfig(fallback="raise")``'s error."""
+        if self.step.config.fallback == "raise":
+            raise RuntimeError(
+                f"this update call cannot reuse what the rollout kept ({reason}), and "
+                "fallback='raise' (graphs with collectives, parallel='fsdp': recomputing on "
+                "this rank alone would run gathers the other ranks do not). Make the update "
+                "calls repeat the rollout's trained calls (same rows, same inputs, no "
+                "parameter change in between)")
+        return self._recompute(args, reason)
+
+    def _reuse(self, args, assignment):
+        state, g = self.step._state, self.g
+        batch = len(assignment)
+        runs = self._runs(assignment)
+        kept_graph = runs[0][0].runtime
+        layouts = kept_graph.g.layouts
+        if any(k.runtime.g.bw_saved != kept_graph.g.bw_saved or k.runtime.g.layouts != layouts
+               for k, _ in runs):
+            return self._fallback(args, "rows kept by different graphs")
+        whole = all(rows == list(range(k.batch)) for k, rows in runs) and \
+            len({id(k) for k, _ in runs}) == len(runs)
+        row_local = bool(layouts.get("row_local"))
+        splittable = all(lay is None or lay == "symint" or hasattr(lay, "outer")
+                         for lay in layouts.get("outputs", [object()] * g.num_outputs))
+        if not (row_local or (whole and (len(runs) == 1 or splittable))):
+            reason = layouts.get("reason") or "the LeanGRPO stage did not run"
+            return self._fallback(args, f"rows regrouped, and {reason}")
+        outputs = []
+        kept_storages = {o.untyped_storage().data_ptr() for kept, _ in runs
+                         for o in kept.outputs if isinstance(o, Tensor)}
+        for j in range(g.num_outputs):
+            if g.output_types[j] == "input":
+                outputs.append(args[g.output_bases[j]])
+                continue
+            out = runs[0][0].outputs[j] if len(runs) == 1 and whole else \
+                kept_graph._gather_output(j, runs)
+            # A copy, never the kept tensor (or a view of it): an in-place edit of the served
+            # output (v.mul_(dt)) would rewrite the rollout's output the caller holds and what
+            # the backward reads.
+            if isinstance(out, Tensor) and out.untyped_storage().data_ptr() in kept_storages:
+                out = out.clone()
+            outputs.append(out)
+        for kept, row in assignment:
+            if kept.mode != "reweight" or kept.samples is None:
+                continue
+            claimed = state.claimed.setdefault(kept.samples[row], set())
+            if (id(kept), row) in claimed:
+                raise ValueError(
+                    f"reweight keeps one gradient buffer per sample (rollout(samples=...)): the "
+                    f"sum of its trained steps' gradients, each once, applied when the last one "
+                    f"arrives. This update call serves a step of sample {kept.samples[row]} a "
+                    "second time, which that buffer cannot give (and a step served twice "
+                    "leaves another never served). Use schedule='retain', or rollout without "
+                    "samples= (one buffer per row)")
+            claimed.add((id(kept), row))
+        for kept, rows in runs:
+            kept.used.update(rows)
+            if set(kept.rows) <= kept.used:
+                state.release(kept)
+        trainable = [i for i in self.params if args[i].requires_grad]
+        sources = [g.roles[i].source for i in trainable]
+        retain = [(i, a) for i, a in enumerate(assignment) if a[0].mode == "retain"]
+        reweight = [(i, a) for i, a in enumerate(assignment) if a[0].mode == "reweight"]
+        state.stats.mechanisms["per-row gradients" if not retain else
+                               "whole kept calls" if whole else "gathered rows"] += 1
+        state.stats.reused_calls += 1
+        state.stats.reused_rows += batch
+        out_layouts = layouts.get("outputs")
+
+        differentiable = set(g.differentiable)
+
+        def backward_fn(cotangents):
+            # An output the update's own graph does not differentiate (the sample passed back
+            # in: a constant there, differentiable in a rollout graph that drew it) brings no
+            # gradient, whatever the kept graph would make of its cotangent.
+            cotangents = [c if j in differentiable else None for j, c in enumerate(cotangents)]
+            total: dict[str, Tensor] = {}
+
+            def add(grads: dict):
+                for source, gr in grads.items():
+                    if gr is not None and source in sources:
+                        total[source] = gr if source not in total else total[source] + gr
+
+            if retain:
+                retain_runs = self._runs([a for _, a in retain])
+                update_rows = [i for i, _ in retain]
+                if whole:
+                    offset = 0
+                    for n, (kept, rows) in enumerate(retain_runs):
+                        mine = update_rows[offset:offset + len(rows)]
+                        offset += len(rows)
+                        # An output that does not depend on the batch is the same value in
+                        # every kept call: its cotangent goes into one backward, not each.
+                        cots = [None if n and batch_independent(out_layouts, j) else
+                                cotangent_rows(c, out_layouts, j, batch, mine)
+                                for j, c in enumerate(cotangents)]
+                        kg = kept.runtime
+                        grads = kg._backward([kept.saved[k] for k in kg.g.bw_saved],
+                                             kept.outputs, cots)
+                        add({kg.g.roles[i].source: grads[i] for i in kg.params})
+                else:
+                    kg = retain_runs[0][0].runtime
+                    bw_saved = kg._gathered_saved(retain_runs, len(update_rows))
+                    outs = [kg._gather_output(j, retain_runs) for j in range(g.num_outputs)]
+                    cots = [cotangent_rows(c, out_layouts, j, batch, update_rows)
+                            for j, c in enumerate(cotangents)]
+                    grads = kg._backward(bw_saved, outs, cots)
+                    add({kg.g.roles[i].source: grads[i] for i in kg.params})
+            if reweight:
+                scalars = set()
+                for _, (kept, _) in reweight:
+                    scalars |= set(kept.grads.get("scalars", ()))
+                    scalars |= {key[1] for key in kept.grads if isinstance(key, tuple)}
+                for j, c in enumerate(cotangents):
+                    if c is not None and j not in scalars and bool(torch.any(c != 0)):
+                        raise ValueError(
+                            f"reweight kept per-row gradients of the per-row scalar outputs "
+                            f"{sorted(scalars)}, but the update's loss also depends on output "
+                            f"{j} (shape {tuple(c.shape)}), which it cannot serve: use "
+                            "schedule='retain', or compute that term inside the step as a "
+                            "per-row scalar output")
+                for i, (kept, row) in reweight:
+                    weights = {q: (cotangents[q].reshape(batch, -1)[i].sum()
+                                   if cotangents[q] is not None else None) for q in scalars}
+                    if kept.samples is not None:
+                        add(self._merged(kept.samples[row], weights))
+                        continue
+                    for q, weight in weights.items():
+                        if weight is not None:
+                            add({source: None if gr is None else gr * weight
+                                 for source, gr in kept.grads[(row, q)].items()})
+            deferred = kept_graph._deferred_outputs if reweight else set()
+            for s, i in zip(sources, trainable):
+                if i in deferred and s in total:
+                    grad = total.pop(s)
+                    held = state.deferred.get(id(args[i]))
+                    # (the held sum is this runtime's own tensor: added to in place)
+                    state.deferred[id(args[i])] = (args[i], grad if held is None
+                                                   else held[1].add_(grad))
+                    if held is None:
+                        state.held_bytes += grad.numel() * grad.element_size()
+                        state.note_peak()
+            zero = self.step.config.zero_grads
+            return [total[s] if s in total else torch.zeros_like(args[i]) if zero else None
+                    for s, i in zip(sources, trainable)]
+
+        results = Reused.apply(backward_fn, outputs, *[args[i] for i in trainable])
+        return self._finish(results, args)
+
+    def _recompute(self, args, reason: str):
+        state = self.step._state
+        state.stats.recomputed[reason] += 1
+        state.stats.forwards_run += 1
+        return self._plain(args, True)
+
+
+
+def warn_little_reuse(kept_rows: bool, stats: StepStats, calls: int, reused: int,
+                       recomputed: Counter) -> None:
+    """At ``update()`` exit: warn when the rollout kept rows and fewer than half of this
+    update's calls reused them, naming the most frequent reason."""
+    if stats is None or not kept_rows:
+        return
+    calls, reused = stats.update_calls - calls, stats.reused_calls - reused
+    if not calls or 2 * reused >= calls:
+        return
+    reasons = Counter(stats.recomputed)
+    reasons.subtract(recomputed)
+    top = max(((n, r) for r, n in reasons.items() if n > 0), default=(0, "unknown"))
+    warnings.warn(
+        f"update(): {reused} of {calls} calls reused what the rollout kept; the most frequent "
+        f"reason for the others ({top[0]} x): {top[1]}. If the rollout trains the wrong calls "
+        "(several sampling batches of T steps: rollout(train=..., trajectory_steps=T)), or "
+        "more than one optimizer step follows a rollout, the kept memory is wasted; see "
+        "step.stats.summary()", ReuseWarning, stacklevel=4)
