@@ -362,6 +362,13 @@ def test_the_module_wrapper_is_the_module_for_all_but_the_call(base):
     assert wrapped.config["in_channels"] == D and wrapped.qkv is model.qkv
     assert list(wrapped.state_dict()) == list(model.state_dict())
     assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in model.named_parameters()]
+    # the same names at every level: under a parent (DDP's "module."), state_dict and
+    # named_parameters agree, and the parent's checkpoint loads back
+    parent = nn.ModuleDict({"module": wrapped})
+    assert list(parent.state_dict()) == [f"module.{n}" for n in model.state_dict()]
+    assert [n for n, _ in parent.named_parameters()] == \
+        [f"module.{n}" for n, _ in model.named_parameters()]
+    parent.load_state_dict(parent.state_dict())
     wrapped.eval()
     assert not model.training
     wrapped.train()

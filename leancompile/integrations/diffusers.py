@@ -62,6 +62,7 @@ try:  # diffusers >= 0.33
 except ImportError:  # pragma: no cover - WanPolicy explains at construction
     WanTransformer3DModel = None
 
+from ..lean import LeanModule  # noqa: E402
 from .sequence_parallel import SequenceParallel, parallelize_ulysses  # noqa: E402
 
 __all__ = [
@@ -163,6 +164,8 @@ def _unwrap_model(module) -> nn.Module:
             module = module.module
         elif isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
             module = module._orig_mod
+        elif isinstance(module, LeanModule):
+            module = module.module
         elif not isinstance(module, nn.Module) and hasattr(module, "__wrapped__"):
             module = module.__wrapped__
         else:

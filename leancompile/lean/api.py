@@ -411,10 +411,13 @@ class LeanStep:
 
 class LeanModule(torch.nn.Module):
     """``lean_compile(module, schedule=...)``: the module as the loop holds it, its calls
-    through a ``LeanStep``. Like ``torch.compile``'s ``OptimizedModule``, everything but the
-    call passes through to the wrapped module: attributes (``.config``, ``.dtype``,
-    ``disable_adapter()``), ``train()``/``eval()``, ``parameters()`` and ``state_dict()``
-    (the wrapped module's names, no prefix); ``.module`` is the wrapped module itself (what
+    through a ``LeanStep``. Everything but the call passes through to the wrapped module, as
+    with ``torch.compile``'s ``OptimizedModule``: attributes (``.config``, ``.dtype``,
+    ``disable_adapter()``), ``train()``/``eval()``, and the module tree itself: the wrapper
+    shares the wrapped module's submodules, parameters and buffers (the same dicts), so
+    ``parameters()``, ``named_parameters()``, ``state_dict()`` and ``load_state_dict()`` have
+    the wrapped module's names at every level (a checkpoint of either loads into the other;
+    under DDP, ``module.`` + those names). ``.module`` is the wrapped module itself (what
     FlowGRPO reaches through its DDP wrapper: ``transformer.module.disable_adapter()``). The
     phases and stats are the step's: ``rollout()``, ``update()``, ``stats``, ``plan()``,
     ``explain_schedules()``, ``discard_kept()``. So a diffusers pipeline takes it in place of
@@ -429,9 +432,12 @@ class LeanModule(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, step: LeanStep):
         super().__init__()
-        self.module = module
+        for tree in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+            object.__setattr__(self, tree, getattr(module, tree))
+        object.__setattr__(self, "module", module)
         object.__setattr__(self, "lean_step", step)
         object.__setattr__(self, "_signature", _keyword_signature(module))
+        self.training = module.training
 
     def forward(self, *args, **kwargs):
         # Arguments by keyword, whichever way the caller passed them: the sampler calls
@@ -443,6 +449,11 @@ class LeanModule(torch.nn.Module):
             kwargs = {**dict(zip(names, args)), **kwargs}
             args = ()
         return self.lean_step(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)  # (its own flag; the submodules are shared)
+        self.training = mode
+        return self
 
     def __deepcopy__(self, memo):
         """A copy of the module under a step of its own (``copy.deepcopy(transformer)`` for a
@@ -456,21 +467,9 @@ class LeanModule(torch.nn.Module):
         if name in LeanModule._STEP_ATTRIBUTES:
             return getattr(self.__dict__["lean_step"], name)
         try:
-            return super().__getattr__(name)
+            return super().__getattr__(name)  # (the shared submodules, parameters, buffers)
         except AttributeError:
-            return getattr(self._modules["module"], name)
-
-    def named_parameters(self, *args, **kwargs):
-        return self.module.named_parameters(*args, **kwargs)
-
-    def named_buffers(self, *args, **kwargs):
-        return self.module.named_buffers(*args, **kwargs)
-
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, *args, **kwargs):
-        return self.module.load_state_dict(*args, **kwargs)
+            return getattr(self.__dict__["module"], name)
 
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(dir(self.module)))
