@@ -464,3 +464,43 @@ def test_which_plain_compile_each_schedule_is_bitwise_equal_to(base, compiler, r
         got, step = _wrapped(base, compiler, schedule, batches=whole)
         assert step.stats.reused_calls == (3 if schedule == "retain" else 0)
         assert torch.equal(got, ref), (schedule, _rel(got, ref))
+
+
+class PermutedOutput(Policy):
+    """An output left permuted, as SD3's unpatchify einsum leaves it (channels last): its
+    tangent was traced with those strides."""
+
+    def forward(self, x, t, cond):
+        v = super().forward(x, t, cond)
+        return v.view(-1, 2, 2, 2).permute(0, 3, 1, 2)  # [B, c, h, w], c of stride 1
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_a_permuted_output_gets_its_traced_tangent_strides(compiler):
+    """The backward's tangents were handed over contiguous; Inductor's backward asserts the
+    strides it traced (SD3 under Inductor: AssertionError 'expected size 4==4, stride 16==1'
+    in every wrapped update call, recompute included)."""
+    base = PermutedOutput()
+
+    def run(model, fn, step):
+        g = torch.Generator().manual_seed(0)
+        xs, cond = [torch.randn(4, D, generator=g)], torch.randn(4, C, generator=g)
+        with _phase(step, "rollout", train=3), torch.no_grad():
+            for k in range(T):
+                xs.append(xs[-1] + 0.1 * fn(xs[-1], torch.full((4,), k), cond).flatten(1))
+        with _phase(step, "update"):
+            for rows in SHUFFLED:
+                for k in range(3):
+                    v = fn(xs[k][rows], torch.full((2,), k), cond[rows])
+                    (v * torch.arange(8.0).view(1, 2, 2, 2)).square().mean().backward()
+        return _grads(model)
+
+    reference = copy.deepcopy(base)
+    ref = run(reference, reference, None)
+    for schedule in ("recompute", "retain"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        step = leancompile.lean_compile(model, backend=compiler, schedule=schedule)
+        got = run(model, step, step)
+        assert step.stats.reused_calls == (6 if schedule == "retain" else 0)
+        assert _rel(got, ref) <= 1e-6, (schedule, _rel(got, ref))

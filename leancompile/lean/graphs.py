@@ -14,7 +14,7 @@ from ..capture import StepGraphs
 from ..runtime.reuse import gather_rows
 
 __all__ = ["readable", "empty_outputs", "batch_independent", "cotangent_rows", "saved_size",
-           "as_traced", "concrete_size", "SLICES", "row_shape", "output_val", "output_shape",
+           "as_traced", "sizes_of", "concrete_size", "SLICES", "row_shape", "output_val", "output_shape",
            "numel_per_row"]
 
 
@@ -69,11 +69,11 @@ def saved_size(g: StepGraphs, k: int, symbols: dict) -> int:
 
 
 def as_traced(tensor: Tensor, meta, symbols: dict) -> Tensor:
-    """``tensor`` (gathered rows: contiguous) laid out with the strides the forward graph gave
-    the saved value ``meta`` (a fake tensor with symbolic sizes) at the sizes ``symbols``: a
-    compiled backward (Inductor's) assumes its inputs have the strides it was traced with
-    (attention's ``[B, H, S, D]`` views of ``[B, S, H, D]`` buffers, its logsumexp) and asserts
-    them."""
+    """``tensor`` (gathered rows, a cotangent) laid out with the strides the graph was traced
+    with for ``meta`` (a fake tensor with symbolic sizes) at the sizes ``symbols``: a compiled
+    backward (Inductor's) assumes its inputs have those strides (attention's ``[B, H, S, D]``
+    views of ``[B, S, H, D]`` buffers, its logsumexp, a permuted output's tangent) and asserts
+    them. ``tensor`` itself when it has them already."""
     if not isinstance(meta, Tensor):
         return tensor
     stride = tuple(concrete_size(d, symbols) for d in meta.stride())
@@ -81,6 +81,15 @@ def as_traced(tensor: Tensor, meta, symbols: dict) -> Tensor:
         return tensor
     out = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device)
     return out.copy_(tensor)
+
+
+def sizes_of(meta, tensor: Tensor) -> dict:
+    """{symbol: size} for the dims of ``meta`` (a fake tensor with symbolic sizes) that are a
+    symbol alone, read from ``tensor``'s shape."""
+    if not isinstance(meta, Tensor) or meta.dim() != tensor.dim():
+        return {}
+    return {d.node.expr: int(n) for d, n in zip(meta.shape, tensor.shape)
+            if isinstance(d, torch.SymInt) and d.node.expr.is_Symbol}
 
 
 def concrete_size(size, symbols: dict) -> int:

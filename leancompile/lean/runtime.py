@@ -16,8 +16,8 @@ from torch import Tensor
 
 from ..capture import RandomOpInGraphError, StepGraphs
 from ..runtime.reuse import Reused, storage_bytes, values_digest
-from .graphs import (batch_independent, cotangent_rows, empty_outputs, numel_per_row,
-                     output_shape, readable)
+from .graphs import (as_traced, batch_independent, cotangent_rows, empty_outputs,
+                     numel_per_row, output_shape, readable, sizes_of)
 from .keys import Keys
 from .retain import Retain
 from .reweight import Reweight
@@ -54,10 +54,16 @@ class GraphRuntime(Keys, Retain, Reweight):
         self._unbatchable_reason: str | None = None
         self._exchanges: list[str] | None = None
         self._row_backwards: dict = {}
+        """Reweight's compiled per-row backwards, by (number of rows, output, sizes)."""
         self._inplace_matmuls = 0
         self._deferred_outputs: set[int] = set()
         self._unreduced: fx.GraphModule | None = None
-        """Reweight's compiled per-row backwards, by (number of rows, output, sizes)."""
+        backward = graphs.backward_aten
+        self._tangent_metas = [] if backward is None else [
+            n.meta.get("val") for n in backward.graph.nodes
+            if n.op == "placeholder" and n.name.startswith("tangents")]
+        """The backward graph's tangents as traced (their strides: a compiled backward
+        assumes them; ``_tangents``)."""
         self._rows_like: dict[str, int] = {}
         """For a graph specialised to a batch of 1: the rows per sample of each input, from the
         kept graph with a symbolic batch that computes the same (``_fingerprint_for``)."""
@@ -150,11 +156,17 @@ class GraphRuntime(Keys, Retain, Reweight):
 
     def _tangents(self, outputs, cotangents) -> list:
         """The backward graph's tangent inputs: the differentiable outputs' cotangents
-        (zeros where none)."""
+        (zeros where none), laid out with the strides the backward was traced with, as
+        AOTAutograd's own runtime lays them out (Inductor's backward asserts them: SD3's output
+        leaves its unpatchify einsum permuted, and its tangent was traced so)."""
         tangents = []
-        for j in self.g.differentiable:
+        metas = self._tangent_metas
+        for n, j in enumerate(self.g.differentiable):
             c = cotangents[j] if j < len(cotangents) else None
-            tangents.append(torch.zeros_like(outputs[j]) if c is None else c.contiguous())
+            t = torch.zeros_like(outputs[j]) if c is None else c
+            meta = metas[n] if n < len(metas) else None
+            tangents.append(as_traced(t, meta, sizes_of(meta, t)) if meta is not None
+                            else t.contiguous())
         return tangents
 
     def _backward(self, bw_saved, outputs, cotangents) -> list:
