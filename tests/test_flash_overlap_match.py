@@ -570,6 +570,7 @@ def test_schedules_recorded_on_meta_equal_the_fake_tensor_recording(group, monke
     (a device read from a meta tensor is recorded as the real one)."""
     import copy
 
+    import leancompile.passes.flash_graph as fg
     import leancompile.passes.flash_overlap as fo
     from leancompile.options import CompileOptions
 
@@ -579,8 +580,8 @@ def test_schedules_recorded_on_meta_equal_the_fake_tensor_recording(group, monke
     options = CompileOptions(compiler="aot_eager", overlap=overlap,
                              **({"chunks": 2} if overlap == "slice" else {"chunks_per_rank": 2}))
     used = []
-    record = fo._record_on_meta
-    monkeypatch.setattr(fo, "_record_on_meta",
+    record = fg._record_on_meta
+    monkeypatch.setattr(fg, "_record_on_meta",
                         lambda *a: used.append(1) or record(*a))
     for gm in (fw, bw):
         on_meta, on_fake = copy.deepcopy(gm), copy.deepcopy(gm)
@@ -589,7 +590,7 @@ def test_schedules_recorded_on_meta_equal_the_fake_tensor_recording(group, monke
         assert len(result.rewritten) == 2 and result.skipped == [], result
         assert len(used) - before == 2  # both sites recorded on meta, no fallback
         with monkeypatch.context() as m:
-            m.setattr(fo, "_static_device", lambda values: None)
+            m.setattr(fg, "_static_device", lambda values: None)
             fo.flash_overlap_pass(on_fake, options)
         assert len(used) - before == 2
         assert on_meta.code == on_fake.code

@@ -705,18 +705,18 @@ def _safety_worker(rank, world, init_file, out_dir):
     records = {}
     try:
         fn, params, make, _ = sp_mlp(world, "bsd")
-        original = {name: getattr(fo, name) for name in ("_detach_metadata_readers",
+        original = {name: getattr(fo, name) for name in ("detach_metadata_readers",
                                                          "_bind_symbolic_sizes")}
 
         def fail_gather(nodes):  # the all-gather's rewrite, after its schedule is inlined
             if any("all_gather" in str(getattr(n, "target", "")) for n in nodes):
                 raise RuntimeError("injected failure")
-            return original["_detach_metadata_readers"](nodes)
+            return original["detach_metadata_readers"](nodes)
 
         def fail_graph(graph):
             raise RuntimeError("injected graph failure")
 
-        for name, patch in (("site", ("_detach_metadata_readers", fail_gather)),
+        for name, patch in (("site", ("detach_metadata_readers", fail_gather)),
                             ("graph", ("_bind_symbolic_sizes", fail_graph))):
             for compiler in ("aot_eager", "inductor"):
                 setattr(fo, *patch)

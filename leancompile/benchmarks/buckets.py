@@ -52,7 +52,7 @@ def run_bucket_bench(*, cap_mb: float = 25.0, rounds: int = 3, steps: int = 4, l
     import torch.distributed as dist
 
     from ..grpo.trainer import GRPOConfig, GRPOTrainer
-    from .grpo import BenchConfig, _flat, build_policy, mean_latent_reward
+    from .grpo import BenchConfig, build_policy, flat_grads, mean_latent_reward
 
     if not dist.is_initialized() or dist.get_world_size() < 2:
         raise SystemExit("leancompile bench buckets runs under torchrun with 2 or more ranks, "
@@ -91,7 +91,7 @@ def run_bucket_bench(*, cap_mb: float = 25.0, rounds: int = 3, steps: int = 4, l
                 times[name, s].append(result.rollout_seconds + result.update_seconds)
                 syncs[name, s] = result.sync_collectives
                 retained[name, s] = result.retained_bytes
-                grads[name, s] = _flat(result.grads)
+                grads[name, s] = flat_grads(result.grads)
                 del result
                 log(f"[bench] round {i + 1} {name}/{s}: {times[name, s][-1]:.3f} s")
     plain, bucketed, _ = variants

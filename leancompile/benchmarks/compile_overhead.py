@@ -128,9 +128,9 @@ def _distributed_worker(rank, world, init, out, models, compilers, rounds):
     torch.set_num_threads(1)
 
     def make_layer():
-        from .overlap import _layer
+        from .overlap_layer import mlp_layer
 
-        layer, _ = _layer(world, 64, 32, 64)
+        layer, _ = mlp_layer(world, 64, 32, 64)
         torch.manual_seed(1 + rank)
         x = torch.randn(64 // world, 32, requires_grad=True)
 

@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from .overlap_layer import layer_step, mlp_layer
+
 __all__ = ["main", "SCHEMES"]
 
 SCHEMES = {
@@ -35,21 +37,6 @@ SCHEMES = {
     "flash": {"overlap": "flash"},
     "direct": {"overlap": "flash", "variant": "direct"},
 }
-
-
-def _layer(world, seq, dim, hidden):
-    import torch.distributed._functional_collectives as funcol
-
-    torch.manual_seed(0)
-    w1 = (torch.randn(dim, hidden // world) / dim ** 0.5).requires_grad_()
-    w2 = (torch.randn(hidden // world, dim) / hidden ** 0.5).requires_grad_()
-    group = dist.group.WORLD
-
-    def layer(x):
-        g = funcol.all_gather_tensor(x, 0, group)
-        return funcol.reduce_scatter_tensor(F.gelu(g @ w1) @ w2, "sum", 0, group)
-
-    return layer, [w1, w2]
 
 
 def _ulysses_layer(world, seq, dim, heads):
@@ -97,27 +84,6 @@ def _attention_layer(world, seq, dim, heads):
     return layer, [wqkv, wo]
 
 
-def _layer_step(layer, params, x, **options):
-    """``layer`` compiled by leancompile with ``options`` (``aot_eager``) and a function that
-    runs one forward + backward of it on ``x`` (loss: sum of squares) and returns the output
-    and the gradients of ``x`` and ``params`` (taken out of ``.grad``)."""
-    import leancompile
-
-    compiled = torch.compile(layer, backend=leancompile.backend(compiler="aot_eager",
-                                                                **options))
-
-    def step():
-        y = compiled(x)
-        y.square().sum().backward()
-        values = [y.detach()] + [t.grad for t in [x] + list(params)]
-        x.grad = None
-        for p in params:
-            p.grad = None
-        return values
-
-    return step
-
-
 def _worker(rank, world, init, out, cfg):
     import faulthandler
 
@@ -131,7 +97,7 @@ def _worker(rank, world, init, out, cfg):
     ulysses = case == "ulysses"
     build = {"ulysses": lambda: _ulysses_layer(world, cfg["seq"], cfg["dim"], cfg["heads"]),
              "attention": lambda: _attention_layer(world, cfg["seq"], cfg["dim"], cfg["heads"]),
-             "mlp": lambda: _layer(world, cfg["seq"], cfg["dim"], cfg["hidden"])}
+             "mlp": lambda: mlp_layer(world, cfg["seq"], cfg["dim"], cfg["hidden"])}
     layer, params = build[case]()
     torch.manual_seed(1 + rank)
     x = torch.randn(cfg["seq"] // world, cfg["dim"], requires_grad=True)
@@ -142,7 +108,7 @@ def _worker(rank, world, init, out, cfg):
                                                    "attention_split": False}}
     for name, options in schemes.items():
         torch._dynamo.reset()
-        step = _layer_step(layer, params, x, **options)
+        step = layer_step(layer, params, x, **options)
         values = step()  # compile
         times = []
         for _ in range(cfg["iters"]):

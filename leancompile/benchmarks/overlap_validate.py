@@ -31,14 +31,14 @@ SCHEMES = {
 
 def _worker(rank, world, init, out, cfg):
     import leancompile
-    from .overlap import _layer, _layer_step
 
     from ..sim.calibrate import calibrate_cpu_gloo, workload
     from ..sim.simulate import simulate
+    from .overlap_layer import layer_step, mlp_layer
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    layer, params = _layer(world, cfg["seq"], cfg["dim"], cfg["hidden"])
+    layer, params = mlp_layer(world, cfg["seq"], cfg["dim"], cfg["hidden"])
     torch.manual_seed(1 + rank)
     x = torch.randn(cfg["seq"] // world, cfg["dim"], requires_grad=True)
 
@@ -46,7 +46,7 @@ def _worker(rank, world, init, out, cfg):
     # scheme); the graphs that ran are what the compile's report holds after the passes.
     steps, reports = {}, {}
     for name, options in SCHEMES.items():
-        steps[name] = _layer_step(layer, params, x, **options)
+        steps[name] = layer_step(layer, params, x, **options)
         steps[name]()
         reports[name] = leancompile.last_report()
     # Calibrated at the schemes' own matmul shapes, activation size and largest message.

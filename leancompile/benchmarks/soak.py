@@ -115,11 +115,11 @@ def _overlap_worker(rank, world, init, out, steps):
     import leancompile
     from leancompile.runtime.p2p import pending_exchanges
 
-    from .overlap import _layer
+    from .overlap_layer import mlp_layer
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    layer, params = _layer(world, 64, 32, 64)
+    layer, params = mlp_layer(world, 64, 32, 64)
     compiled = torch.compile(layer, backend=leancompile.backend(compiler="aot_eager",
                                                                 overlap="flash"))
     x = torch.randn(64 // world, 32, requires_grad=True)

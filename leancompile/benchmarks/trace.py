@@ -98,13 +98,13 @@ def _overlap_worker(rank, world, init, out, cfg):
 
     from ..sim.calibrate import calibrate_cpu_gloo, workload
     from ..sim.simulate import simulate
-    from .overlap import _layer, _layer_step
+    from .overlap_layer import layer_step, mlp_layer
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    layer, params = _layer(world, cfg["seq"], cfg["dim"], cfg["hidden"])
+    layer, params = mlp_layer(world, cfg["seq"], cfg["dim"], cfg["hidden"])
     x = torch.randn(cfg["seq"] // world, cfg["dim"], requires_grad=True)
-    step = _layer_step(layer, params, x, overlap="flash")
+    step = layer_step(layer, params, x, overlap="flash")
     step()
     report = leancompile.last_report()
     profile = calibrate_cpu_gloo(repeats=3, workload=workload(report))
@@ -205,14 +205,14 @@ def trace_grpo(out, *, model: str = "flux-dev", device: str = "a6000",
                plan: dict | None = None) -> list[Path]:
     """Write the GRPO traces and PNG into ``out``; ``plan``: a ``plan_grpo`` report to lay out
     instead of planning ``model`` on ``device``."""
-    from ..demos.grpo_demo import TARGET, _build
+    from ..demos.grpo_demo import TARGET, build_demo
     from ..grpo.rewards import TargetColorReward, decoded
     from ..grpo.trainer import GRPOConfig, GRPOTrainer
     from ..sim.plan import GRPOPlanConfig, plan_grpo
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    policy, vae = _build()
+    policy, vae = build_demo()
     reward = decoded(TargetColorReward(target=TARGET), vae=vae,
                      to_vae_latents=policy.to_vae_latents)
     conditions = policy.example_conditions(2, torch.Generator().manual_seed(1),

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["main"]
+__all__ = ["TARGET", "build_demo", "main"]
 
 TARGET = (1.0, 0.0, 0.0)
 """The colour the reward prefers (red)."""
@@ -84,7 +84,9 @@ def _tiny_vae(*, gain: float = 2.0, calibration_samples: int = 64):
     return vae
 
 
-def _build(*, seed: int = 0, num_inference_steps: int = 6):
+def build_demo(*, seed: int = 0, num_inference_steps: int = 6):
+    """``(policy, vae)`` of the demo: a one-block Flux transformer as a ``FluxPolicy`` on
+    16x16 latents and a tiny VAE decoding them to 32x32 images (random weights, seeded)."""
     from diffusers import FluxTransformer2DModel
 
     from ..integrations.diffusers import FluxPolicy
@@ -244,7 +246,7 @@ def _run(*, out, steps, prompts, group_size, lr, num_inference_steps, rounds, sp
         raise ValueError(f"rounds={rounds}: the closing table needs at least one timed round")
     out_dir = Path(out) / "grpo"
     out_dir.mkdir(parents=True, exist_ok=True)
-    policy, vae = _build(num_inference_steps=num_inference_steps)
+    policy, vae = build_demo(num_inference_steps=num_inference_steps)
     if sp_group is not None:
         parallelize_ulysses(policy.transformer, sp_group)
     reward = decoded(TargetColorReward(target=TARGET), vae=vae,

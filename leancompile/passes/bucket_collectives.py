@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .flash_overlap import SITE_META
+from .flash_graph import SITE_META, node_val
 from .result import PassResult, Site, format_bytes, is_pure_op, recompile
 
 __all__ = ["bucket_collectives_pass", "find_buckets", "move_inputs_up", "rewrite_bucket", "Bucket",
@@ -134,10 +134,6 @@ class Bucket:
         return f"{what}, {self.key[2]}, group {group!r} of {group_size} ranks"
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
 def _static(val) -> bool:
     return isinstance(val, torch.Tensor) and all(
         isinstance(s, int) for s in (*val.shape, *val.stride(), val.storage_offset()))
@@ -179,11 +175,11 @@ def _member(node: fx.Node, result: PassResult) -> tuple[_Member, tuple] | None:
                                 "collectives on purpose; merging them would undo the overlap)")
         return None
     inp = node.args[0]
-    val = _val(inp)
+    val = node_val(inp)
     if not isinstance(val, torch.Tensor):
         result.skip(node, kind, "its input has no recorded tensor value (meta['val'])")
         return None
-    if not _static(val) or not _static(_val(node)):
+    if not _static(val) or not _static(node_val(node)):
         result.skip(node, kind, "a symbolic size: buckets are laid out with static sizes",
                     local="shape")
         return None
@@ -302,7 +298,7 @@ class _Cursor:
 
     def flat(self, node: fx.Node, shape: list[int]) -> fx.Node:
         """``node`` reshaped to ``shape`` (made contiguous first where its strides are not)."""
-        if not _val(node).is_contiguous():
+        if not node_val(node).is_contiguous():
             node = self(aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
         return self(aten.reshape.default, (node, shape))
 
@@ -365,7 +361,7 @@ def rewrite_bucket(gm: fx.GraphModule, bucket: Bucket,
         rank_blocks = unpack(aten.reshape.default, (wait, [group_size, total]))
     offset = 0
     for m in members:
-        shape = list(_val(m.waits[0]).shape)
+        shape = list(node_val(m.waits[0]).shape)
         if bucket.kind == "all_gather":  # rank-major again: a copy
             part = unpack(aten.slice.Tensor, (rank_blocks, 1, offset, offset + m.numel))
             part = unpack(aten.clone.default, (part,), {"memory_format": torch.contiguous_format})

@@ -42,9 +42,11 @@ import operator
 import torch
 import torch.fx as fx
 
-from .flash_overlap_match import (_Skip, _descendants, _describe, _find, _only_wait,
-                                  _reshape_groups, _shape)
-from ..runtime.flash_schedules import _cat_like
+from ..runtime.flash_schedules import cat_like
+from .flash_graph import (SITE_META, detach_metadata_readers, erase_if_dead, hoist, inline,
+                          node_val, trace, users_before)
+from .flash_overlap_match import (RESHAPES, SAME_LAYOUT, Skip, descendants, describe,
+                                  find_sites, only_wait, reshape_groups, shape_of)
 from .result import PassResult
 
 aten = torch.ops.aten
@@ -66,11 +68,10 @@ _ANY_SDPA = _SDPA + (aten._scaled_dot_product_flash_attention.default,
 # split by query rows with grad_out, and the outputs summed over the slices (grad_k, grad_v).
 _ROW_ARGS = (1, 4, 5)
 _SUMMED = (1, 2)
-_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-_LAYOUT = _RESHAPES + (aten.permute.default, aten.clone.default, aten.alias.default)
+LAYOUT = RESHAPES + (aten.permute.default,) + SAME_LAYOUT
 
-__all__ = ["A2A_SITE", "ATTENTION_SITE", "AllToAllMatch", "AttentionMatch",
-           "find_all_to_all_matches", "rewrite_attention"]
+__all__ = ["A2A_SITE", "ALL_TO_ALL", "ATTENTION_SITE", "AllToAllMatch", "AttentionMatch",
+           "LAYOUT", "find_all_to_all_matches", "replay", "rewrite_attention"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +103,7 @@ def find_all_to_all_matches(graph: fx.Graph, result: PassResult, *,
                             on_error: str = "raise") -> list[AttentionMatch]:
     """The query-split attention sites of ``graph``; every other all-to-all is recorded in
     ``result`` as skipped, with its reason."""
-    a2as = _find(graph, ALL_TO_ALL, A2A_SITE, _match_all_to_all, result, on_error)
+    a2as = find_sites(graph, ALL_TO_ALL, A2A_SITE, _match_all_to_all, result, on_error)
     by_wait = {m.wait: m for m in a2as}
     by_input = {m.all_to_all.args[0]: m for m in a2as}
     sites, used = [], set()
@@ -111,7 +112,7 @@ def find_all_to_all_matches(graph: fx.Graph, result: PassResult, *,
             continue
         try:
             site = _match_attention(node, by_wait, by_input)
-        except _Skip as skip:
+        except Skip as skip:
             if _layout_root(node.args[0]) in by_wait:
                 result.skip(node, ATTENTION_SITE, skip.args[0])
             continue
@@ -136,7 +137,7 @@ def find_all_to_all_matches(graph: fx.Graph, result: PassResult, *,
 
 def _layout_root(node):
     """``node`` seen back through layout ops: the first node that is not one."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _LAYOUT:
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in LAYOUT:
         node = node.args[0]
     return node
 
@@ -154,7 +155,7 @@ def _why_left(match: AllToAllMatch, sites: list[AttentionMatch]) -> str:
             return ("the key or value gradient all-to-all of the attention backward at "
                     f"{site.attention.name}: its input is a sum over every query slice, "
                     "complete only after the last one")
-    names = ", ".join(map(_describe, match.wait.users)) or "nothing"
+    names = ", ".join(map(describe, match.wait.users)) or "nothing"
     return ("not the query or output all-to-all of an attention (Ulysses: all-to-all -> "
             "attention -> all-to-all); nothing to slice next to it (read by "
             f"{names}); left to the backend")
@@ -162,44 +163,44 @@ def _why_left(match: AllToAllMatch, sites: list[AttentionMatch]) -> str:
 
 def _match_all_to_all(node: fx.Node) -> AllToAllMatch:
     x, out_splits, in_splits, group_name = node.args[:4]
-    shape = _shape(x)
-    wait = _only_wait(node)
+    shape = shape_of(x)
+    wait = only_wait(node)
     from ..runtime.p2p import group_rank_and_size
 
     try:
         _, world = group_rank_and_size(group_name)
     except Exception:  # noqa: BLE001 - not a live group in this process
-        raise _Skip(f"group {group_name!r} is unknown: not a registered process group name "
-                    "(unknown group)") from None
+        raise Skip(f"group {group_name!r} is unknown: not a registered process group name "
+                   "(unknown group)") from None
     if world == 1:
-        raise _Skip("a group of one rank: nothing is exchanged")
+        raise Skip("a group of one rank: nothing is exchanged")
     if not shape or not isinstance(shape[0], int):
-        raise _Skip(f"dim 0 of the input has the symbolic size {shape[0] if shape else '-'}: "
-                    "query split needs static sizes", local="shape")
+        raise Skip(f"dim 0 of the input has the symbolic size {shape[0] if shape else '-'}: "
+                   "query split needs static sizes", local="shape")
     if shape[0] % world:
-        raise _Skip(f"dim 0 of the input ({shape[0]}) does not split into {world} equal "
-                    "pieces", local="shape")
+        raise Skip(f"dim 0 of the input ({shape[0]}) does not split into {world} equal "
+                   "pieces", local="shape")
     piece = shape[0] // world
     for name, splits in (("input", in_splits), ("output", out_splits)):
         if splits is not None and list(splits) != [piece] * world:
-            raise _Skip(f"{name} split sizes {list(splits)} are not {world} equal pieces of "
-                        f"dim 0 ({shape[0]}): the decomposition handles equal pieces only")
+            raise Skip(f"{name} split sizes {list(splits)} are not {world} equal pieces of "
+                       f"dim 0 ({shape[0]}): the decomposition handles equal pieces only")
     return AllToAllMatch(node, wait, group_name, world)
 
 
 def _match_attention(attention: fx.Node, by_wait: dict, by_input: dict) -> AttentionMatch:
     if attention.target not in _SDPA:
-        raise _Skip(f"{attention.target} is not split by query here: the rewrite handles "
-                    "_scaled_dot_product_flash_attention_for_cpu (the CPU attention kernel "
-                    "this project can test); its all-to-alls are left to the backend")
+        raise Skip(f"{attention.target} is not split by query here: the rewrite handles "
+                   "_scaled_dot_product_flash_attention_for_cpu (the CPU attention kernel "
+                   "this project can test); its all-to-alls are left to the backend")
     query = attention.args[0]  # the backward's grad_out: split by query rows the same way
     chain = []
     node = query
     while node not in by_wait:
         if not isinstance(node, fx.Node) or node.op != "call_function" or \
-                node.target not in _LAYOUT:
-            raise _Skip("the query does not come from an all-to-all through layout ops "
-                        f"(reached {_describe(node) if isinstance(node, fx.Node) else node})")
+                node.target not in LAYOUT:
+            raise Skip("the query does not come from an all-to-all through layout ops "
+                       f"(reached {describe(node) if isinstance(node, fx.Node) else node})")
         chain.append(node)
         node = node.args[0]
     q = by_wait[node]
@@ -209,46 +210,46 @@ def _match_attention(attention: fx.Node, by_wait: dict, by_input: dict) -> Atten
     args = list(attention.args) + [None] * 8
     dropout, causal = args[flags] or 0.0, bool(args[flags + 1])
     if dropout:
-        raise _Skip(f"dropout_p={dropout}: query slices would draw other dropout masks")
+        raise Skip(f"dropout_p={dropout}: query slices would draw other dropout masks")
     if causal:
-        raise _Skip("is_causal=True: a query slice's causal mask depends on its offset; not "
-                    "split")
+        raise Skip("is_causal=True: a query slice's causal mask depends on its offset; not "
+                   "split")
     if attention.kwargs.get("attn_mask") is not None:
-        raise _Skip("an attention mask: slicing it by query rows is not implemented")
+        raise Skip("an attention mask: slicing it by query rows is not implemented")
     if any(isinstance(a, fx.Node) for a in (*attention.args[flags:],
                                             *attention.kwargs.values())):
-        raise _Skip("an attention argument other than query, key and value is computed in "
-                    "the graph")
-    qval = _shape(query)
+        raise Skip("an attention argument other than query, key and value is computed in "
+                   "the graph")
+    qval = shape_of(query)
     if len(qval) != 4:
-        raise _Skip(f"query of shape {qval}: expected [batch, heads, sequence, head_dim]")
+        raise Skip(f"query of shape {qval}: expected [batch, heads, sequence, head_dim]")
     q_dims = _track(chain, 0, q.world, "query")
     if (q_dims[-1] if q_dims else 0) != 2:
-        raise _Skip("the all-to-all's source-rank dim is not the outer part of the query's "
-                    "sequence dim: the pieces are not query slices")
-    if set(attention.args[1:flags]) & _descendants(q.wait):
-        raise _Skip("another attention input is computed from the query's all-to-all")
+        raise Skip("the all-to-all's source-rank dim is not the outer part of the query's "
+                   "sequence dim: the pieces are not query slices")
+    if set(attention.args[1:flags]) & descendants(q.wait):
+        raise Skip("another attention input is computed from the query's all-to-all")
     if backward:
         seq = qval[2]
         for i in _ROW_ARGS:
-            shape = _shape(attention.args[i])
+            shape = shape_of(attention.args[i])
             if len(shape) < 3 or shape[2] != seq:
-                raise _Skip(f"attention backward input {i} has shape {shape}: expected the "
-                            f"query rows ({seq}) in dim 2")
+                raise Skip(f"attention backward input {i} has shape {shape}: expected the "
+                           f"query rows ({seq}) in dim 2")
     out_node = next((u for u in attention.users if u.target is operator.getitem
                      and u.args[1] == 0), None)
     if out_node is None:
-        raise _Skip("the attention output is unused")
+        raise Skip("the attention output is unused")
     out_chain = _path_to_all_to_all(out_node, by_input)
     if out_chain is None:
-        raise _Skip("the attention output does not reach one all-to-all through layout ops")
+        raise Skip("the attention output does not reach one all-to-all through layout ops")
     out = by_input[out_chain[-1] if out_chain else out_node]
     if out.group_name != q.group_name or out.world != q.world:
-        raise _Skip("the output all-to-all runs on another group than the query's")
+        raise Skip("the output all-to-all runs on another group than the query's")
     out_dims = _track(out_chain, 2, q.world, "output")
     if (out_dims[-1] if out_dims else 2) != 0:
-        raise _Skip("the attention output's sequence slices are not the pieces its "
-                    "all-to-all sends (the query rows would go to the wrong ranks)")
+        raise Skip("the attention output's sequence slices are not the pieces its "
+                   "all-to-all sends (the query rows would go to the wrong ranks)")
     return AttentionMatch(q, tuple(chain), tuple(q_dims), attention, tuple(out_chain),
                           tuple(out_dims), out)
 
@@ -260,7 +261,7 @@ def _path_to_all_to_all(start: fx.Node, by_input: dict) -> list[fx.Node] | None:
 
     def walk(node, path):
         for user in node.users:
-            if user.op == "call_function" and user.target in _LAYOUT and user.args[0] is node:
+            if user.op == "call_function" and user.target in LAYOUT and user.args[0] is node:
                 if user in by_input:
                     found.append(path + [user])
                 walk(user, path + [user])
@@ -271,27 +272,27 @@ def _path_to_all_to_all(start: fx.Node, by_input: dict) -> list[fx.Node] | None:
 
 def _track(chain, dim: int, world: int, what: str) -> list[int]:
     """The dim holding the rank index (the outer factor of ``world``) after each node of
-    ``chain``; ``_Skip`` when a node mixes it with other dims."""
+    ``chain``; ``Skip`` when a node mixes it with other dims."""
     dims = []
     for node in chain:
-        src, dst = _shape(node.args[0]), _shape(node)
+        src, dst = shape_of(node.args[0]), shape_of(node)
         if node.target is aten.permute.default:
             perm = [p % len(dst) for p in node.args[1]]
             dim = perm.index(dim)
-        elif node.target in _RESHAPES:
-            groups = _reshape_groups(src, dst)
+        elif node.target in RESHAPES:
+            groups = reshape_groups(src, dst)
             if groups is None:
-                raise _Skip(f"the {what} layout {node.name} {src} -> {dst} is not a reshape "
-                            "of whole dims")
+                raise Skip(f"the {what} layout {node.name} {src} -> {dst} is not a reshape "
+                           "of whole dims")
             src_dims, dst_dims = next(g for g in groups if dim in g[0])
             if any(src[k] != 1 for k in src_dims if k < dim):
-                raise _Skip(f"{node.name} merges the rank dim into a dim below another one "
-                            f"({src} -> {dst}): the pieces are not contiguous slices")
+                raise Skip(f"{node.name} merges the rank dim into a dim below another one "
+                           f"({src} -> {dst}): the pieces are not contiguous slices")
             dim = next((k for k in dst_dims if dst[k] != 1), dst_dims[0])
             if not isinstance(dst[dim], int) or dst[dim] % world:
-                raise _Skip(f"{node.name} splits the rank dim ({src} -> {dst})")
+                raise Skip(f"{node.name} splits the rank dim ({src} -> {dst})")
         elif node.target not in (aten.clone.default, aten.alias.default):
-            raise _Skip(f"{_describe(node)} between the all-to-all and the attention")
+            raise Skip(f"{describe(node)} between the all-to-all and the attention")
         dims.append(dim)
     return dims
 
@@ -300,13 +301,13 @@ def _track(chain, dim: int, world: int, what: str) -> list[int]:
 # Rewrite
 
 
-def _replay(chain, dims, world: int, x: torch.Tensor) -> torch.Tensor:
+def replay(chain, dims, world: int, x: torch.Tensor) -> torch.Tensor:
     """``chain`` run on one of ``world`` equal pieces: reshapes get the piece's size in the
     tracked dim (``dims``, after each node). Also replays the attention-to-matmul layouts of
     ``flash_attention_rs``."""
     for node, dim in zip(chain, dims):
-        if node.target in _RESHAPES:
-            shape = list(_shape(node))
+        if node.target in RESHAPES:
+            shape = list(shape_of(node))
             shape[dim] = shape[dim] // world
             x = x.reshape(shape)
         elif node.target is aten.permute.default:
@@ -325,8 +326,6 @@ def rewrite_attention(gm: fx.GraphModule, match: AttentionMatch, result: PassRes
     by this rank's query-split schedule (module docstring)."""
     from ..runtime.a2a_schedules import computed_order, flash_all_to_all_compute
     from ..runtime.p2p import group_rank_and_size
-    from .flash_overlap import (_detach_metadata_readers, _erase_if_dead, _inline, _trace,
-                                _users_before, _val)
 
     graph = gm.graph
     q, out, attention = match.query, match.output, match.attention
@@ -338,19 +337,19 @@ def rewrite_attention(gm: fx.GraphModule, match: AttentionMatch, result: PassRes
     operands = list(attention.args[1:flags])
     rest = tuple(attention.args[flags:])
     kwargs = dict(attention.kwargs)
-    likes = [_val(getitems[i]) if i in getitems else None
-             for i in range(len(_val(attention)))]
-    rows = _shape(attention.args[0])[2] // world
+    likes = [node_val(getitems[i]) if i in getitems else None
+             for i in range(len(node_val(attention)))]
+    rows = shape_of(attention.args[0])[2] // world
 
     def schedule(x, *operands):
         def compute(piece, j):
-            first = _replay(match.q_chain, match.q_dims, world, piece)
+            first = replay(match.q_chain, match.q_dims, world, piece)
             args = list(operands)
             if backward:  # query, out and logsumexp: this slice's rows
                 for i in _ROW_ARGS:
                     args[i - 1] = args[i - 1].narrow(2, j * rows, rows)
             outs = attention.target(first, *args, *rest, **kwargs)
-            send = _replay(match.out_chain, match.out_dims, world, outs[0])
+            send = replay(match.out_chain, match.out_dims, world, outs[0])
             return (*outs, send)
 
         received, outputs, back = flash_all_to_all_compute(
@@ -365,17 +364,17 @@ def rewrite_attention(gm: fx.GraphModule, match: AttentionMatch, result: PassRes
                     total = outputs[j][i] if total is None else total + outputs[j][i]
                 full.append(total)
             else:
-                full.append(_cat_like([o[i] for o in outputs], 2, like))
+                full.append(cat_like([o[i] for o in outputs], 2, like))
         return (torch.cat(received, 0), torch.cat(back, 0), *full)
 
     order = {n: i for i, n in enumerate(graph.nodes)}
     inputs = [x, *operands]
-    sub = _trace(schedule, inputs)
+    sub = trace(schedule, inputs)
     # The schedule goes where the attention was (key and value are ready there); readers of
     # the query all-to-all's result that come before it move after it (pure layout ops).
-    late = _users_before(list(q.wait.users), attention, order)
+    late = users_before(list(q.wait.users), attention, order)
     anchor = attention
-    outs = _inline(graph, sub, inputs, anchor, q.all_to_all.name)
+    outs = inline(graph, sub, inputs, anchor, q.all_to_all.name)
     received, back, *full = outs
     for node in late:  # after the schedule's outputs, in their order
         anchor.prepend(node)
@@ -388,8 +387,8 @@ def rewrite_attention(gm: fx.GraphModule, match: AttentionMatch, result: PassRes
     _post_early(graph, q.all_to_all, world)
     replaced = [q.all_to_all, q.wait, *match.q_chain, attention, *getitems.values(),
                 *match.out_chain, out.all_to_all, out.wait]
-    _detach_metadata_readers([q.wait, out.wait])
-    _erase_if_dead(graph, replaced)  # last first: each is erased once its readers are
+    detach_metadata_readers([q.wait, out.wait])
+    erase_if_dead(graph, replaced)  # last first: each is erased once its readers are
     for node in (q.all_to_all, out.all_to_all):
         if not getattr(node, "_erased", False):
             raise AssertionError(f"{node.name} is still read after the rewrite")
@@ -401,13 +400,12 @@ def _post_early(graph: fx.Graph, anchor: fx.Node, world: int) -> None:
     """Move the first exchange's posts (and the slices they send) up to where the query
     all-to-all was: the transfers start as soon as the query is ready."""
     from ..runtime.p2p import P2P_START
-    from .flash_overlap import SITE_META, _hoist
 
     order = {n: i for i, n in enumerate(graph.nodes)}
     starts = [n for n in graph.nodes if n.op == "call_function" and n.target is P2P_START
               and n.meta.get(SITE_META) == anchor.name][:world - 1]
-    for start in starts:  # posts have side effects: _hoist moves only what they send
+    for start in starts:  # posts have side effects: hoist moves only what they send
         for arg in start.all_input_nodes:
-            _hoist(arg, anchor, order)
+            hoist(arg, anchor, order)
         anchor.prepend(start)
         order[start] = order[anchor] - 0.5

@@ -43,14 +43,18 @@ import operator
 import torch
 import torch.fx as fx
 
-from .flash_all_to_all import _LAYOUT, _RESHAPES, _replay
-from .flash_overlap_match import _Skip, _reshape_groups, _shape
+from .flash_all_to_all import LAYOUT, replay
+from .flash_graph import (SITE_META, Unsupported, detach_metadata_readers, erase_if_dead,
+                          feed_moved_readers, inline, node_val, not_scattered, trace,
+                          users_before)
+from .flash_overlap_match import RESHAPES, Skip, reshape_groups, shape_of
 
 aten = torch.ops.aten
-_LAYOUT_TARGETS = _LAYOUT + (aten.transpose.int,)  # (graphs traced without decompositions)
+_LAYOUT_TARGETS = LAYOUT + (aten.transpose.int,)  # (graphs traced without decompositions)
 ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
 
-__all__ = ["AttentionRowsMatch", "match_attention_rows", "ATTENTION"]
+__all__ = ["ATTENTION", "ATTENTION_RS_SITE", "AttentionRowsMatch", "match_attention_rows",
+           "rewrite_attention_reduce_scatter"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +79,7 @@ def match_attention_rows(h: fx.Node, shape: tuple, dim: int, slices: int
                          ) -> AttentionRowsMatch | None:
     """The attention whose query rows are the rows of ``h`` (viewed as ``shape``) along
     ``dim``, cut into ``slices`` equal slices; None when ``h`` does not come from an
-    attention's output through layout ops; ``_Skip`` with the reason when it does but cannot
+    attention's output through layout ops; ``Skip`` with the reason when it does but cannot
     be split."""
     nodes, node = [], h
     while isinstance(node, fx.Node) and node.op == "call_function" and \
@@ -90,8 +94,8 @@ def match_attention_rows(h: fx.Node, shape: tuple, dim: int, slices: int
         isinstance(attention.args[0], fx.Node) and \
         attention.args[0].target is torch.ops.higher_order.run_and_save_rng_state
     if wrapped and attention.args[0].args[0] is ATTENTION:
-        skip = _Skip("the attention runs inside activation checkpointing's generator-state "
-                     "wrapper (run_and_save_rng_state, kept for the backward's recompute)")
+        skip = Skip("the attention runs inside activation checkpointing's generator-state "
+                    "wrapper (run_and_save_rng_state, kept for the backward's recompute)")
         skip.node = attention.args[0]
         raise skip
     name = str(attention.target)
@@ -101,7 +105,7 @@ def match_attention_rows(h: fx.Node, shape: tuple, dim: int, slices: int
     nodes.reverse()
     try:
         return _match(attention, nodes, shape, dim, slices)
-    except _Skip as skip:
+    except Skip as skip:
         skip.node = attention
         raise
 
@@ -109,27 +113,27 @@ def match_attention_rows(h: fx.Node, shape: tuple, dim: int, slices: int
 def _match(attention: fx.Node, nodes: list, shape: tuple, dim: int, slices: int
            ) -> AttentionRowsMatch:
     if attention.target is not ATTENTION:
-        raise _Skip(f"the matmul reads {attention.target}, which is not split by query: the "
-                    "rewrite handles _scaled_dot_product_flash_attention_for_cpu (the attention "
-                    "kernel this project can test)")
+        raise Skip(f"the matmul reads {attention.target}, which is not split by query: the "
+                   "rewrite handles _scaled_dot_product_flash_attention_for_cpu (the attention "
+                   "kernel this project can test)")
     if attention.kwargs.get("attn_mask") is not None:
-        raise _Skip("an attention mask: slicing it by query rows is not implemented")
+        raise Skip("an attention mask: slicing it by query rows is not implemented")
     if any(isinstance(a, fx.Node) for a in (*attention.args[3:], *attention.kwargs.values())):
-        raise _Skip("an attention argument other than query, key and value is computed in the "
-                    "graph")
+        raise Skip("an attention argument other than query, key and value is computed in the "
+                   "graph")
     args = list(attention.args) + [None] * 4
     if args[3]:
-        raise _Skip(f"attention with dropout_p={args[3]}: query slices would draw other masks")
+        raise Skip(f"attention with dropout_p={args[3]}: query slices would draw other masks")
     causal = bool(args[4] or attention.kwargs.get("is_causal"))
-    if causal and _shape(attention.args[0])[2:3] != _shape(attention.args[1])[2:3]:
-        raise _Skip("is_causal=True with fewer or more keys than queries: the slices' masks "
-                    "are not followed")
-    query = _shape(attention.args[0])
+    if causal and shape_of(attention.args[0])[2:3] != shape_of(attention.args[1])[2:3]:
+        raise Skip("is_causal=True with fewer or more keys than queries: the slices' masks "
+                   "are not followed")
+    query = shape_of(attention.args[0])
     if len(query) != 4 or not all(isinstance(x, int) for x in (*query, *shape)):
-        raise _Skip(f"query of shape {query}, rows of shape {shape}: query split needs a static "
-                    "[batch, heads, sequence, head_dim] query")
+        raise Skip(f"query of shape {query}, rows of shape {shape}: query split needs a static "
+                   "[batch, heads, sequence, head_dim] query")
     keep = len(nodes)
-    while keep and nodes[keep - 1].target in _RESHAPES:  # h's own reshape replaces these
+    while keep and nodes[keep - 1].target in RESHAPES:  # h's own reshape replaces these
         keep -= 1
     chain = nodes[:keep]
     dims, at, batch = [], 2, 0  # where the query rows and the batch are
@@ -137,61 +141,61 @@ def _match(attention: fx.Node, nodes: list, shape: tuple, dim: int, slices: int
         at = _follow(node, at)
         try:  # the batch matters only when it merges with the queries (flat rows)
             batch = None if batch is None else _follow(node, batch)
-        except _Skip:
+        except Skip:
             batch = None
         dims.append(at)
-    src = _shape(chain[-1]) if chain else query
-    groups = _reshape_groups(tuple(src), tuple(shape))
+    src = shape_of(chain[-1]) if chain else query
+    groups = reshape_groups(tuple(src), tuple(shape))
     if groups is None:
-        raise _Skip(f"the attention output's layout {tuple(src)} -> {tuple(shape)} is not a "
-                    "reshape of whole dims")
+        raise Skip(f"the attention output's layout {tuple(src)} -> {tuple(shape)} is not a "
+                   "reshape of whole dims")
     src_dims, dst_dims = next(g for g in groups if at in g[0])
     if [d for d in dst_dims if shape[d] != 1] != [dim]:
-        raise _Skip(f"the query rows (dim {at} of {tuple(src)}) are not in the scattered dim "
-                    f"{dim} of the matmul's rows {tuple(shape)}: the slices would mix queries")
+        raise Skip(f"the query rows (dim {at} of {tuple(src)}) are not in the scattered dim "
+                   f"{dim} of the matmul's rows {tuple(shape)}: the slices would mix queries")
     seq = query[2]
     merged = batch is not None and [d for d in src_dims if src[d] != 1] == [batch, at]
     if merged:  # rows = (batch, query) pairs, batch-major: a slice is whole batches or a part
-        if any(n.target in _RESHAPES for n in chain):  # of one batch's queries
-            raise _Skip("the batch and the query rows merge into the scattered dim after a "
-                        "reshape of the attention output: not followed")
+        if any(n.target in RESHAPES for n in chain):  # of one batch's queries
+            raise Skip("the batch and the query rows merge into the scattered dim after a "
+                       "reshape of the attention output: not followed")
         length = shape[dim] // slices
         if shape[dim] % slices or (length % seq and seq % length):
-            raise _Skip(f"{shape[dim]} (batch, query) rows in {slices} slices do not cut into "
-                        f"whole batches or equal parts of one batch's {seq} queries",
-                        local="shape")
+            raise Skip(f"{shape[dim]} (batch, query) rows in {slices} slices do not cut into "
+                       f"whole batches or equal parts of one batch's {seq} queries",
+                       local="shape")
     elif [d for d in src_dims if src[d] != 1] != [at]:
-        raise _Skip(f"the query rows (dim {at} of {tuple(src)}) merge with another dim into the "
-                    f"scattered dim of {tuple(shape)}: the slices would mix queries")
+        raise Skip(f"the query rows (dim {at} of {tuple(src)}) merge with another dim into the "
+                   f"scattered dim of {tuple(shape)}: the slices would mix queries")
     elif seq % slices:
-        raise _Skip(f"{seq} queries do not split into {slices} slices", local="shape")
+        raise Skip(f"{seq} queries do not split into {slices} slices", local="shape")
     return AttentionRowsMatch(attention, tuple(chain), tuple(dims), tuple(nodes), merged,
                               causal)
 
 
 def _follow(node: fx.Node, dim: int) -> int:
     """Where dim ``dim`` of ``node``'s input (the query rows, the batch) is in its output."""
-    src, dst = _shape(node.args[0]), _shape(node)
+    src, dst = shape_of(node.args[0]), shape_of(node)
     if node.target is aten.permute.default:
         perm = [p % len(dst) for p in node.args[1]]
         return perm.index(dim)
     if node.target is aten.transpose.int:
         a, b = (x % len(dst) for x in node.args[1:3])
         return b if dim == a else a if dim == b else dim
-    if node.target in _RESHAPES:
-        groups = _reshape_groups(tuple(src), tuple(dst))
+    if node.target in RESHAPES:
+        groups = reshape_groups(tuple(src), tuple(dst))
         if groups is None:
-            raise _Skip(f"{node.name} {tuple(src)} -> {tuple(dst)} is not a reshape of whole "
-                        "dims")
+            raise Skip(f"{node.name} {tuple(src)} -> {tuple(dst)} is not a reshape of whole "
+                       "dims")
         src_dims, dst_dims = next(g for g in groups if dim in g[0])
         kept = [d for d in dst_dims if dst[d] != 1]
         if len(src_dims) != 1 or len(kept) != 1:
-            raise _Skip(f"{node.name} {tuple(src)} -> {tuple(dst)} merges or splits the query "
-                        "rows with another dim")
+            raise Skip(f"{node.name} {tuple(src)} -> {tuple(dst)} merges or splits the query "
+                       "rows with another dim")
         return kept[0]
     if node.target in (aten.clone.default, aten.alias.default):
         return dim
-    raise _Skip(f"{node.name} ({node.target}) between the attention and the matmul")
+    raise Skip(f"{node.name} ({node.target}) between the attention and the matmul")
 
 
 def rewrite_attention_reduce_scatter(gm: fx.GraphModule, match, rows: AttentionRowsMatch,
@@ -200,12 +204,9 @@ def rewrite_attention_reduce_scatter(gm: fx.GraphModule, match, rows: AttentionR
     """Replace ``attention -> chain -> mm(h, w) -> reduce_scatter`` of ``match`` by ``run`` (a
     reduce-scatter schedule, ``run(h, w, bias)``) over ``AttentionRows``; the attention's
     outputs that other nodes read (the backward's saved output and log-sum-exp) are the
-    slices' outputs put together. ``_Unsupported`` (nothing changed) when a reader of the
+    slices' outputs put together. ``Unsupported`` (nothing changed) when a reader of the
     attention's outputs before the collective cannot move after the schedule."""
     from ..runtime.flash_schedules import AttentionRows
-    from .flash_overlap import (SITE_META, _detach_metadata_readers, _erase_if_dead,
-                                _feed_moved_readers, _inline, _not_scattered, _trace,
-                                _Unsupported, _users_before, _val)
 
     graph = gm.graph
     site, attention = match.reduce_scatter, rows.attention
@@ -213,30 +214,30 @@ def rewrite_attention_reduce_scatter(gm: fx.GraphModule, match, rows: AttentionR
     product = {match.matmul, *match.via, match.reduced, *match.reassembly, site, match.wait}
     if match.scattered is not None:
         product.add(match.scattered)
-    why = _not_scattered(match)
+    why = not_scattered(match)
     if why:
-        raise _Unsupported(why)
+        raise Unsupported(why)
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = match.wait
     # Readers of the attention's outputs before the collective move after the schedule.
-    late = _users_before([u for g in getitems.values() for u in g.users], anchor, order,
-                         stop=product, what="the attention output")
+    late = users_before([u for g in getitems.values() for u in g.users], anchor, order,
+                        stop=product, what="the attention output")
     for node in (w, bias):  # what the schedule reads besides the attention, not moved
         if node is not None and node in late:
-            raise _Unsupported(f"{node.name} feeds the matmul and reads the attention output")
+            raise Unsupported(f"{node.name} feeds the matmul and reads the attention output")
     doomed = product | set(rows.nodes)
 
     def needed(node) -> bool:  # read by a node that stays after the rewrite
         return any(u not in doomed or (u in rows.nodes and needed(u)) for u in node.users)
 
-    likes = [_val(getitems[i]) if i in getitems and needed(getitems[i]) else None
-             for i in range(len(_val(attention)))]
+    likes = [node_val(getitems[i]) if i in getitems and needed(getitems[i]) else None
+             for i in range(len(node_val(attention)))]
     q, k, v = attention.args[:3]
     rest, kwargs = tuple(attention.args[3:]), dict(attention.kwargs)
-    seq = _shape(q)[2]
+    seq = shape_of(q)[2]
 
     def chain(x, ql):  # the layout ops on a slice of ql queries
-        return _replay(rows.chain, rows.dims, seq // ql, x)
+        return replay(rows.chain, rows.dims, seq // ql, x)
     inputs = [q, k, v, w] + ([bias] if bias is not None else [])
 
     def schedule(q_, k_, v_, w_, *b_):
@@ -245,8 +246,8 @@ def rewrite_attention_reduce_scatter(gm: fx.GraphModule, match, rows: AttentionR
         out = run(h, w_, b_[0] if b_ else None)
         return (out, *h.assembled(likes))
 
-    sub = _trace(schedule, inputs)
-    out, *full = _inline(graph, sub, inputs, anchor, site.name)
+    sub = trace(schedule, inputs)
+    out, *full = inline(graph, sub, inputs, anchor, site.name)
     for node in late:  # after the schedule, in their order
         anchor.prepend(node)
     it = iter(full)
@@ -255,12 +256,12 @@ def rewrite_attention_reduce_scatter(gm: fx.GraphModule, match, rows: AttentionR
             getitems[i].replace_all_uses_with(next(it))
     scattered = match.scattered or match.wait
     scattered.replace_all_uses_with(out)
-    _feed_moved_readers(graph, match, scattered, out)
+    feed_moved_readers(graph, match, scattered, out)
     replaced = [scattered, match.wait, site, *match.reassembly, match.reduced, *match.via,
                 match.matmul]
-    _detach_metadata_readers([*replaced, *rows.nodes, *getitems.values()])
+    detach_metadata_readers([*replaced, *rows.nodes, *getitems.values()])
     for nodes in (replaced, rows.nodes, getitems.values(), [attention]):  # readers first
-        _erase_if_dead(graph, nodes)
+        erase_if_dead(graph, nodes)
     if not getattr(attention, "_erased", False):
         raise AssertionError(f"{attention.name} is still read after the rewrite")
     result.rewrite(site, ATTENTION_RS_SITE)

@@ -52,26 +52,26 @@ import contextlib
 import dataclasses
 import logging
 import math
-import operator
 import os
 import warnings
 
 import torch
 import torch.fx as fx
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .flash_all_to_all import (A2A_SITE, ALL_TO_ALL, ATTENTION_SITE, find_all_to_all_matches,
                                rewrite_attention)
 from .flash_attention_rs import match_attention_rows, rewrite_attention_reduce_scatter
-from .flash_overlap_match import (_SAME_LAYOUT, AG_SITE, RS_SITE, AllGatherMatch,
-                                  ReduceScatterMatch, _same_shape, _Skip,
-                                  find_all_gather_matches,
+from .flash_graph import (SITE_META, Unsupported, detach_metadata_readers, erase_if_dead,
+                          feed_moved_readers, hoist, inline, node_val, not_scattered,
+                          raw_sizes_bound_later, trace, users_before)
+from .flash_overlap_match import (AG_SITE, RESHAPES, RS_SITE, SAME_LAYOUT, AllGatherMatch,
+                                  ReduceScatterMatch, Skip, find_all_gather_matches,
                                   find_reduce_scatter_matches, is_backward_graph)
 from .result import PassResult, recompile
 from .structure import Structure
 
 __all__ = ["flash_overlap_pass", "rewrite_all_gather", "rewrite_reduce_scatter", "NAME",
-           "VERSION"]
+           "VERSION", "SITE_META"]
 
 log = logging.getLogger("leancompile")
 
@@ -79,12 +79,6 @@ NAME = "flash_overlap"
 VERSION = 5
 
 aten = torch.ops.aten
-_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-_MATMULS = (aten.mm.default, aten.addmm.default)
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
 def _operands(mm: fx.Node):
@@ -94,227 +88,6 @@ def _operands(mm: fx.Node):
             return None
         return mm.args[0], mm.args[1], mm.args[2]
     return None, mm.args[0], mm.args[1]
-
-
-def _trace(fn, inputs: list) -> fx.Graph:
-    """``fn`` run once over the fake values of the nodes ``inputs``, every aten and P2P op it
-    dispatches recorded as a node of a new graph (placeholders for ``inputs``, an output for
-    what ``fn`` returns).
-
-    The schedules are straight-line tensor code with Python control flow over ints only, so
-    one run records them whole. This is what ``make_fx`` would produce (ops below autograd, the
-    composite ones such as ``reshape`` already decomposed, ``meta["val"]`` on every node) at a
-    fraction of its cost, with Inductor's decompositions, like the graph it goes into (Inductor
-    refuses ops it decomposes itself, e.g. ``aten.t``). SymInts computed from sizes stay raw
-    values in the recorded args; ``_bind_symbolic_sizes`` turns them into nodes.
-
-    With static shapes the schedule runs on meta tensors instead of the graph's fake ones
-    (``_record_on_meta``: the same graph and values at a tenth of the dispatch cost, which is
-    most of the pass's compile time); symbolic shapes need the fake mode's shape environment.
-    """
-    from torch._guards import detect_fake_mode
-    from torch._inductor.fx_passes.post_grad import remove_noop_ops
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    values = [_val(n) for n in inputs]
-    fake_mode = detect_fake_mode(values) or FakeTensorMode()
-    graph = None
-    device = _static_device(values)
-    if device is not None:
-        try:
-            graph = _record_on_meta(fn, values, fake_mode, device)
-        except _Unsupported:
-            raise
-        except Exception:  # noqa: BLE001 - an op without a meta kernel: trace under fake mode
-            graph = None
-    if graph is None:
-        graph = _record(fn, values, values, fake_mode)
-    if _has_noop_candidates(graph):
-        remove_noop_ops(graph)
-    graph.eliminate_dead_code()
-    return graph
-
-
-def _has_noop_candidates(graph: fx.Graph) -> bool:
-    """Whether ``remove_noop_ops`` could remove a node of ``graph``: one of the ops it knows
-    whose result has its source's sizes, strides and dtype (its first test of every node;
-    checked here on the recorded values, at a tenth of its cost, since most schedules have
-    none)."""
-    from torch._inductor.fx_passes.post_grad import noop_registry, same_meta
-
-    for node in graph.nodes:
-        entry = noop_registry.get(node.target) if node.op == "call_function" else None
-        if entry is None:
-            continue
-        _, src_index = entry
-        try:
-            src = node.args[src_index] if isinstance(src_index, int) else src_index(node.args)
-        except (IndexError, TypeError):
-            return True  # let remove_noop_ops decide
-        if isinstance(src, fx.Node) and same_meta(node, src):
-            return True
-    return False
-
-
-def _record(fn, values: list, args: list, context, device_map=None) -> fx.Graph:
-    """Run ``fn(*args)`` under ``context`` and a ``_Recorder``: placeholders carry ``values``
-    (the graph's fake values of the inputs; ``args`` are what ``fn`` actually runs on)."""
-    from torch._inductor.decomposition import select_decomp_table
-
-    graph = fx.Graph()
-    recorder = _Recorder(graph, select_decomp_table(), device_map)
-    for i, (value, arg) in enumerate(zip(values, args)):
-        node = graph.placeholder(f"arg{i}")
-        node.meta["val"] = value
-        recorder.bind(arg, node)
-    with torch.no_grad(), context, recorder, _raw_sizes_bound_later():
-        out = fn(*args)
-    graph.output(recorder.node_of_tree(out))
-    return graph
-
-
-def _static_device(values: list):
-    """The one device of ``values`` when every size and stride is a plain int (the schedule
-    can then be recorded on meta tensors), else None."""
-    devices = {v.device for v in values if isinstance(v, torch.Tensor)}
-    if len(devices) != 1 or not all(
-            isinstance(v, torch.Tensor) and not any(
-                isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride(),
-                                                      v.storage_offset()))
-            for v in values):
-        return None
-    return devices.pop()
-
-
-def _record_on_meta(fn, values: list, fake_mode, device) -> fx.Graph:
-    """``_record`` for static shapes: the schedule runs on meta tensors (a tenth of a fake
-    tensor's dispatch cost; the compile-time budget of the pass is mostly this recording), then
-    every recorded value becomes a fake tensor of ``fake_mode`` on ``device``, as ``make_fx``
-    under the graph's fake mode would have left it. Device arguments the schedule read from its
-    (meta) tensors are recorded as ``device``."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    meta = torch.device("meta")
-
-    def on_meta(t):
-        with unset_fake_temporarily():
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=meta)
-
-    # The compiler may run the pass under its fake mode: leave it while recording, or the meta
-    # tensors would be fake ones (and every op would pay the fake dispatch this avoids).
-    graph = _record(fn, values, [on_meta(v) for v in values], unset_fake_temporarily(),
-                    device_map={meta: device})
-    converter = fake_mode.fake_tensor_converter
-
-    def fake(t):
-        if not isinstance(t, torch.Tensor) or isinstance(t, torch._subclasses.FakeTensor):
-            return t
-        on, t = (device, t) if t.is_meta else (t.device, on_meta(t))
-        return converter.from_meta_and_device(fake_mode, t, on)
-
-    for node in graph.nodes:
-        if node.op == "call_function" and "val" in node.meta:
-            val = node.meta["val"]
-            node.meta["val"] = (type(val)(fake(v) for v in val) if isinstance(val, (tuple, list))
-                                else fake(val))
-    return graph
-
-
-class _Recorder(TorchDispatchMode):
-    """Records each op dispatched under it as a node of ``graph``, or the ops its entry in
-    ``decompositions`` issues; tensors are mapped to the nodes that produced them by identity
-    (every recorded value is kept alive, so an id is never reused while recording)."""
-
-    def __init__(self, graph: fx.Graph, decompositions: dict, device_map=None):
-        super().__init__()
-        self.graph = graph
-        self.decompositions = decompositions
-        self.device_map = device_map or {}
-        self.nodes: dict[int, fx.Node] = {}
-        self.alive: list = []
-
-    def bind(self, tensor: torch.Tensor, node: fx.Node) -> None:
-        self.nodes[id(tensor)] = node
-        self.alive.append(tensor)
-
-    def node_of_tree(self, tree):
-        from torch.fx.node import map_aggregate
-
-        def node_of(value):
-            if not isinstance(value, torch.Tensor):
-                if isinstance(value, torch.device):
-                    return self.device_map.get(value, value)
-                return value
-            try:
-                return self.nodes[id(value)]
-            except KeyError:
-                raise _Unsupported("the schedule read a tensor that is neither an input nor "
-                                   "made by a recorded op") from None
-
-        return map_aggregate(tree, node_of)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        decomposition = self.decompositions.get(func)
-        if decomposition is not None:
-            with self:
-                out = decomposition(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and id(out) in self.nodes:
-            # An op that hands back a tensor it was given (``to`` a dtype the tensor has, as
-            # the opmath casts of Inductor's mm decomposition do) adds nothing to the graph.
-            if func._schema.is_mutable:
-                raise _Unsupported(f"the schedule mutates a tensor in place ({func})")
-            return out
-        node = self.graph.call_function(func, self.node_of_tree(args), self.node_of_tree(kwargs))
-        node.meta["val"] = out
-        if isinstance(out, torch.Tensor):
-            self.bind_result(func, out, node)
-        elif isinstance(out, (tuple, list)):
-            for i, item in enumerate(out):
-                if isinstance(item, torch.Tensor):
-                    item_node = self.graph.call_function(operator.getitem, (node, i))
-                    item_node.meta["val"] = item
-                    self.bind_result(func, item, item_node)
-        return out
-
-    def bind_result(self, func, tensor: torch.Tensor, node: fx.Node) -> None:
-        """Bind an output of ``func`` (an item of a tuple output: a whole output that is one of
-        the inputs as it is never reaches here) to ``node``; an item that is one of the inputs
-        stays bound to the node that made it; the schedules mutate nothing."""
-        if id(tensor) not in self.nodes:
-            self.bind(tensor, node)
-        elif func._schema.is_mutable:
-            raise _Unsupported(f"the schedule mutates a tensor in place ({func})")
-
-
-@contextlib.contextmanager
-def _raw_sizes_bound_later():
-    """Silence torch's warning about SymInt values in node args while a schedule is traced
-    and copied in: ``_bind_symbolic_sizes`` replaces them by nodes before the pass returns."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Raw SymInt value")
-        yield
-
-
-SITE_META = "flash_overlap_site"
-"""``meta`` key on every node a rewrite inserts: the name of the collective it replaced."""
-
-
-def _inline(graph: fx.Graph, sub: fx.Graph, inputs: list, before: fx.Node, site: str):
-    """Copy ``sub``'s nodes into ``graph`` before ``before``, its placeholders bound to
-    ``inputs``, each tagged with ``meta[SITE_META] = site``; returns the copied output
-    values (a list)."""
-    placeholders = [n for n in sub.nodes if n.op == "placeholder"]
-    val_map = dict(zip(placeholders, inputs))
-    with graph.inserting_before(before), _raw_sizes_bound_later():
-        out = graph.graph_copy(sub, val_map)
-    for old, new in val_map.items():
-        if old.op != "placeholder" and isinstance(new, fx.Node):
-            new.meta[SITE_META] = site
-    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def _bind_symbolic_sizes(graph: fx.Graph) -> None:
@@ -335,13 +108,13 @@ def _bind_symbolic_sizes(graph: fx.Graph) -> None:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     env: dict = {}
     for node in placeholders:
-        val = _val(node)
+        val = node_val(node)
         if isinstance(val, torch.SymInt) and val.node.expr.is_Symbol:
             env.setdefault(val.node.expr, fx.Proxy(node, tracer))
 
     def from_tensor_dim(symbol):
         for node in placeholders:
-            val = _val(node)
+            val = node_val(node)
             if not isinstance(val, torch.Tensor):
                 continue
             for dim, size in enumerate(val.shape):
@@ -351,7 +124,7 @@ def _bind_symbolic_sizes(graph: fx.Graph) -> None:
                     bound.meta["val"] = size
                     env[symbol] = fx.Proxy(bound, tracer)
                     return env[symbol]
-        raise _Unsupported(f"no graph input holds the size symbol {symbol}")
+        raise Unsupported(f"no graph input holds the size symbol {symbol}")
 
     for node in list(graph.nodes):
         if node.op not in ("call_function", "output"):
@@ -390,71 +163,11 @@ def _fill_size_vals(node: fx.Node) -> None:
                                          **map_arg(arg.kwargs, lambda a: a.meta["val"]))
 
 
-def _hoist(node: fx.Node, anchor: fx.Node, order: dict) -> None:
-    """Move ``node`` (and what it needs) before ``anchor`` if it comes after it. Only pure
-    nodes are moved (the weights' transposes, reshapes)."""
-    if not isinstance(node, fx.Node) or order[node] < order[anchor]:
-        return
-    if node.op != "call_function" or node.is_impure():
-        raise _Unsupported(f"{node.name} is needed before {anchor.name} but cannot be moved")
-    for arg in node.all_input_nodes:
-        _hoist(arg, anchor, order)
-    anchor.prepend(node)
-    order[node] = order[anchor] - 0.5
-
-
-class _Unsupported(Exception):
-    pass
-
-
-_METADATA = (aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
-             aten.sym_storage_offset.default)
-
-
-def _detach_metadata_readers(nodes) -> None:
-    """Readers of sizes and strides (``sym_size(wait, 0)`` and friends) of nodes a rewrite is
-    about to erase read the value instead (the SymInt of their ``meta["val"]``, bound to the
-    graph's inputs by ``_bind_symbolic_sizes``, or an int): the size of a replaced collective
-    is a fact of the shapes, not of the node."""
-    for node in set(nodes):
-        if not isinstance(node, fx.Node) or getattr(node, "_erased", False):
-            continue
-        for reader in list(node.users):
-            if reader.op != "call_function" or reader.target not in _METADATA:
-                continue
-            value = reader.meta.get("val")
-            if not isinstance(value, (int, torch.SymInt)):
-                raise RuntimeError(f"{reader.name} reads metadata of {node.name} with no "
-                                   "recorded value")
-            if isinstance(value, torch.SymInt) and value.node.expr.is_number:
-                value = int(value.node.expr)
-            for user in list(reader.users):
-                user.args = fx.node.map_aggregate(user.args,
-                                                  lambda a, r=reader, v=value: v if a is r else a)
-                user.kwargs = fx.node.map_aggregate(
-                    user.kwargs, lambda a, r=reader, v=value: v if a is r else a)
-            reader.graph.erase_node(reader)
-
-
-def _erase_if_dead(graph: fx.Graph, nodes) -> None:
-    live = [n for n in set(nodes) if not getattr(n, "_erased", False)]
-    for node in sorted(live, key=lambda n: -_position(graph, n)):
-        if not node.users:
-            graph.erase_node(node)
-
-
-def _position(graph: fx.Graph, node: fx.Node) -> int:
-    for i, n in enumerate(graph.nodes):
-        if n is node:
-            return i
-    return -1
-
-
 def _flatten_only(via: tuple, source_shape, mm_input: fx.Node) -> bool:
     """True when ``via`` only reshapes (or clones) ``source`` (..., K) into (prod(...), K)."""
-    if any(n.target not in _RESHAPES + _SAME_LAYOUT for n in via):
+    if any(n.target not in RESHAPES + SAME_LAYOUT for n in via):
         return False
-    shape = tuple(_val(mm_input).shape)
+    shape = tuple(node_val(mm_input).shape)
     return len(shape) == 2 and shape[1] == source_shape[-1] and \
         shape[0] == math.prod(source_shape[:-1])
 
@@ -472,9 +185,9 @@ def rewrite_all_gather(gm: fx.GraphModule, match: AllGatherMatch, *, chunks_per_
         uses, inputs, schedule = (_weight_gather_plan if match.kind == "ag_weight" else
                                   _input_gather_plan)(match, chunks_per_rank, overlap, chunks)
         _inline_all_gather(gm.graph, match, uses, inputs, schedule)
-    except _Unsupported as err:
+    except Unsupported as err:
         if match.shard is not shard:
-            _erase_if_dead(gm.graph, [match.shard])
+            erase_if_dead(gm.graph, [match.shard])
         result.skip(match.all_gather, AG_SITE, str(err))
         return False
     result.rewrite(match.all_gather, AG_SITE)
@@ -489,7 +202,7 @@ def _cast_shard(graph: fx.Graph, match: AllGatherMatch) -> fx.Node:
     cast = match.cast
     with graph.inserting_after(match.shard):
         node = graph.call_function(cast.target, (match.shard, *cast.args[1:]), dict(cast.kwargs))
-    shard = _val(match.shard)
+    shard = node_val(match.shard)
     with detect_fake_mode([shard]) or contextlib.nullcontext():
         node.meta["val"] = cast.target(shard, *cast.args[1:], **cast.kwargs)
     node.meta[SITE_META] = match.all_gather.name
@@ -502,13 +215,13 @@ def _input_gather_plan(match: AllGatherMatch, m: int, overlap: str, chunks: int)
 
     uses = [u for u in match.consumers if u.operand == "A" and u.dim == "M"]
     if not uses:
-        raise _Unsupported("no matmul slices its rows by the gathered dim")
-    shape = tuple(_val(match.gathered).shape)
+        raise Unsupported("no matmul slices its rows by the gathered dim")
+    shape = tuple(node_val(match.gathered).shape)
     for use in uses:
         ops = _operands(use.node)
         if ops is None or not _flatten_only(use.via, shape, ops[1]):
-            raise _Unsupported(f"the layout between the gather and {use.node.name} is not a "
-                               "plain flatten of the leading dims (reshape only)")
+            raise Unsupported(f"the layout between the gather and {use.node.name} is not a "
+                              "plain flatten of the leading dims (reshape only)")
     weights = [_operands(u.node)[2] for u in uses]
     biases = [_operands(u.node)[0] for u in uses]
     fn = sliced_all_gather_matmul if overlap == "slice" else flash_all_gather_matmul
@@ -524,12 +237,12 @@ def _weight_gather_plan(match: AllGatherMatch, m: int, overlap: str, chunks: int
                                            sliced_all_gather_weight_matmul)
 
     uses = [u for u in match.consumers if u.operand == "B" and u.dim == "N"]
-    shape = tuple(_val(match.gathered).shape)
-    if len(shape) != 2 or any(len(_val(n).shape) != 2 for u in uses for n in u.via):
-        raise _Unsupported(f"the gathered weight has shape {shape}; weight gathers are "
-                           "rewritten for 2-D weights used through views and transposes only")
+    shape = tuple(node_val(match.gathered).shape)
+    if len(shape) != 2 or any(len(node_val(n).shape) != 2 for u in uses for n in u.via):
+        raise Unsupported(f"the gathered weight has shape {shape}; weight gathers are "
+                          "rewritten for 2-D weights used through views and transposes only")
     if any(_operands(u.node) is None for u in uses):
-        raise _Unsupported("addmm with alpha/beta != 1")
+        raise Unsupported("addmm with alpha/beta != 1")
     # 2-D with the gather dim in the matmul's N dim: B is the gathered W transposed (an
     # nn.Linear weight (out, in) gathered on out) or W itself ((K, N) gathered on N).
     layout = "linear" if match.gather_dim == 0 else "kn"
@@ -579,27 +292,27 @@ def _inline_all_gather(graph: fx.Graph, match: AllGatherMatch, uses, inputs, sch
     live = [n for n in match.gathered.users if n not in dead]
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = min(rewritten, key=order.__getitem__)
-    late = _users_before(live, anchor, order)
+    late = users_before(live, anchor, order)
     for node in inputs:
-        _hoist(node, anchor, order)
+        hoist(node, anchor, order)
     for node in late:
         anchor.prepend(node)
     keep = bool(live)
-    sub = _trace(lambda *args: _flat(schedule(*args, keep=keep)), inputs)
-    outs = _inline(graph, sub, inputs, late[0] if late else anchor, match.all_gather.name)
+    sub = trace(lambda *args: _flat(schedule(*args, keep=keep)), inputs)
+    outs = inline(graph, sub, inputs, late[0] if late else anchor, match.all_gather.name)
     ys = outs[:len(uses)]
-    with graph.inserting_before(anchor), _raw_sizes_bound_later():
+    with graph.inserting_before(anchor), raw_sizes_bound_later():
         for use, y in zip(uses, ys):
-            flat = graph.call_function(aten.reshape.default, (y, list(_val(use.node).shape)))
-            flat.meta["val"] = _val(use.node)
+            flat = graph.call_function(aten.reshape.default, (y, list(node_val(use.node).shape)))
+            flat.meta["val"] = node_val(use.node)
             flat.meta[SITE_META] = match.all_gather.name
             use.node.replace_all_uses_with(flat)
     if keep:
         match.gathered.replace_all_uses_with(outs[-1])
     replaced = [match.all_gather, match.wait, match.gathered, *match.reassembly, *via,
                 *(u.node for u in uses)]
-    _detach_metadata_readers(replaced)
-    _erase_if_dead(graph, replaced)  # last first: each is erased once its readers are
+    detach_metadata_readers(replaced)
+    erase_if_dead(graph, replaced)  # last first: each is erased once its readers are
     if not getattr(match.all_gather, "_erased", False):
         raise AssertionError(f"{match.all_gather.name} is still read after the rewrite")
 
@@ -608,24 +321,6 @@ def _flat(out) -> tuple:
     """(Y_0, .., Y_k[, gathered]) from a schedule's (gathered or None, [Y_j])."""
     gathered, ys = out
     return (*ys, gathered) if gathered is not None else tuple(ys)
-
-
-def _users_before(nodes, anchor: fx.Node, order: dict, *, stop=frozenset(),
-                  what: str = "the gathered tensor") -> list[fx.Node]:
-    """``nodes`` before ``anchor`` and, transitively, their users before it, in graph order,
-    not following ``stop`` (nodes the rewrite replaces); they must be pure to be moved after
-    the schedule."""
-    found, stack = set(), [n for n in nodes if order[n] < order[anchor] and n not in stop]
-    while stack:
-        node = stack.pop()
-        if node in found:
-            continue
-        if node.op != "call_function" or node.is_impure():
-            raise _Unsupported(f"{node.name} reads {what} before {anchor.name} "
-                               "and cannot be moved after the schedule")
-        found.add(node)
-        stack.extend(u for u in node.users if order[u] < order[anchor] and u not in stop)
-    return sorted(found, key=order.__getitem__)
 
 
 def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
@@ -647,12 +342,12 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
         result.skip(site, RS_SITE, "addmm with alpha/beta != 1")
         return False
     bias, a, b = ops
-    reduced_shape = tuple(_val(match.reduced).shape)
-    mm_shape = tuple(_val(match.matmul).shape)
+    reduced_shape = tuple(node_val(match.reduced).shape)
+    mm_shape = tuple(node_val(match.matmul).shape)
     dims = tuple(frozenset(d) for d in match.dims)
     product = (frozenset({"M"}), frozenset({"N"}))
     layout = [n for n in match.via if n not in match.casts]  # casts commute with layouts
-    if all(n.target in _RESHAPES for n in layout) and \
+    if all(n.target in RESHAPES for n in layout) and \
             mm_shape == (math.prod(reduced_shape[:-1]), reduced_shape[-1]):
         transposed = False   # a reshape of the product's leading dims (or none)
     elif dims == product and mm_shape == reduced_shape:
@@ -664,10 +359,10 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
                     f"reduce-scatter input {reduced_shape} ({_describe_via(layout)}) is not a "
                     "reshape of the leading dims, the product, or (without bias) its transpose")
         return False
-    in_shape = list(reduced_shape[:-1]) + [_val(a).shape[-1]]
+    in_shape = list(reduced_shape[:-1]) + [node_val(a).shape[-1]]
     group, dim, m = match.group_name, match.scatter_dim, chunks_per_rank
     inputs = [a, b] + ([bias] if bias is not None else [])
-    out_dtype = _val(match.reduced).dtype if match.casts else None
+    out_dtype = node_val(match.reduced).dtype if match.casts else None
 
     def schedule(a_, b_, *rest):
         h, w = (b_.t(), a_.t()) if transposed else (a_, b_)
@@ -680,7 +375,7 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
         slices = match.group_size * (m if overlap == "flash" else chunks)
         try:
             rows = match_attention_rows(a, tuple(in_shape), dim, slices)
-        except _Skip as skip:
+        except Skip as skip:
             rows = None
             result.notes.append(f"{skip.node.name} is not split by query: {skip.args[0]}; "
                                 f"{site.name} is rewritten next to the projection alone")
@@ -689,7 +384,7 @@ def rewrite_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
                 rewrite_attention_reduce_scatter(gm, match, rows, b, bias, tuple(in_shape), dim,
                                                  run, result)
                 return True
-            except _Unsupported as why:
+            except Unsupported as why:
                 result.notes.append(f"{rows.attention.name} is not split by query: {why}; "
                                     f"{site.name} is rewritten next to the projection alone")
     return _place_reduce_scatter(gm, match, schedule, inputs, [match.matmul], result)
@@ -716,55 +411,20 @@ def _place_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, schedul
     graph = gm.graph
     site = match.reduce_scatter
     scattered = match.scattered or match.wait
-    why = _not_scattered(match)
+    why = not_scattered(match)
     if why:
         result.skip(site, RS_SITE, why)
         return False
-    sub = _trace(schedule, inputs)
-    (out,) = _inline(graph, sub, inputs, match.wait, site.name)
+    sub = trace(schedule, inputs)
+    (out,) = inline(graph, sub, inputs, match.wait, site.name)
     scattered.replace_all_uses_with(out)
-    _feed_moved_readers(graph, match, scattered, out)
+    feed_moved_readers(graph, match, scattered, out)
     replaced = [scattered, match.wait, site, *match.reassembly, match.reduced, *match.via,
                 *products]
-    _detach_metadata_readers(replaced)
-    _erase_if_dead(graph, replaced)
+    detach_metadata_readers(replaced)
+    erase_if_dead(graph, replaced)
     result.rewrite(site, RS_SITE)
     return True
-
-
-def _not_scattered(match: ReduceScatterMatch) -> str | None:
-    """Why the collective's result is not the reduced tensor scattered on its dim (None when
-    it is)."""
-    expected = list(_val(match.reduced).shape)
-    expected[match.scatter_dim] //= match.group_size
-    got = tuple(_val(match.scattered or match.wait).shape)
-    # Compared without guards: `!=` on SymInt tuples would specialize the sizes it reads.
-    if _same_shape(got, tuple(expected)):
-        return None
-    return f"the reduce-scatter result has shape {got}, not the scattered {tuple(expected)}"
-
-
-def _feed_moved_readers(graph: fx.Graph, match: ReduceScatterMatch, scattered: fx.Node,
-                        out: fx.Node) -> None:
-    """Readers of the wait besides the movedim back (``match.scattered``; e.g. the graph
-    output, when the partitioner saves the result in its moved layout) read the rewrite's
-    result ``out`` moved back, as a contiguous tensor like the collective's."""
-    if scattered is match.wait:
-        return
-    graph.erase_node(scattered)
-    if not match.wait.users:
-        return
-    perm = list(scattered.args[1])
-    with graph.inserting_after(out):
-        moved = graph.call_function(aten.permute.default, (out, perm))
-    with graph.inserting_after(moved):
-        dense = graph.call_function(aten.clone.default, (moved,),
-                                    {"memory_format": torch.contiguous_format})
-    moved.meta["val"] = _val(out).permute(perm)
-    dense.meta["val"] = moved.meta["val"].contiguous()
-    for node in (moved, dense):
-        node.meta[SITE_META] = match.reduce_scatter.name
-    match.wait.replace_all_uses_with(dense)
 
 
 def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *,
@@ -779,7 +439,7 @@ def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *
         =>  flash_matmul_reduce_scatter([dy1, dy3], [w1t, w3t], ...)
     """
     site = match.reduce_scatter
-    reduced_shape = tuple(_val(match.reduced).shape)
+    reduced_shape = tuple(node_val(match.reduced).shape)
     rows = math.prod(reduced_shape[:-1])
     layout = [n for n in match.via if n not in match.casts]
     inputs, counts = [], []
@@ -788,8 +448,8 @@ def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *
         if ops is None:
             result.skip(site, RS_SITE, f"{matmul.name} is an addmm with alpha/beta != 1")
             return False
-        mm_shape = tuple(_val(matmul).shape)
-        if not all(n.target in _RESHAPES for n in (*via, *layout)) or \
+        mm_shape = tuple(node_val(matmul).shape)
+        if not all(n.target in RESHAPES for n in (*via, *layout)) or \
                 mm_shape != (rows, reduced_shape[-1]):
             result.skip(site, RS_SITE, f"the layout between {matmul.name} {mm_shape} and the "
                         f"reduce-scatter input {reduced_shape} is not a reshape of the leading "
@@ -800,7 +460,7 @@ def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *
         inputs += term
         counts.append(len(term))
     group, dim, m = match.group_name, match.scatter_dim, chunks_per_rank
-    out_dtype = _val(match.reduced).dtype if match.casts else None
+    out_dtype = node_val(match.reduced).dtype if match.casts else None
 
     def schedule(*args):
         hs, ws, bs, at = [], [], [], 0
@@ -827,7 +487,7 @@ def _add_guard(condition, node: fx.Node) -> None:
     shape environment of ``node``'s fake value."""
     if condition is None:
         return
-    shape_env = _val(node).fake_mode.shape_env
+    shape_env = node_val(node).fake_mode.shape_env
     if not shape_env.evaluate_expr(condition):
         raise AssertionError(f"the guard {condition} is false for the traced sizes")
 
@@ -1103,7 +763,7 @@ def _insert_probes(graph: fx.Graph, result: PassResult, site_options: dict) -> N
         with graph.inserting_before(node):
             probed = graph.call_function(P2P_PROBE, (x, (rank + 1) % n, (rank - 1) % n,
                                                      reason, group_name))
-        val = _val(x)
+        val = node_val(x)
         with val.fake_mode:
             probed.meta["val"] = torch.empty_like(val)
         node.replace_input_with(x, probed)

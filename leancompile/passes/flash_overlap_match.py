@@ -142,6 +142,19 @@ __all__ = [
     "find_all_gather_matches",
     "find_reduce_scatter_matches",
     "is_backward_graph",
+    # Shared with the other FlashOverlap passes (flash_graph, flash_all_to_all,
+    # flash_attention_rs, flash_overlap): the op sets and the matcher's helpers.
+    "METADATA",
+    "RESHAPES",
+    "SAME_LAYOUT",
+    "Skip",
+    "descendants",
+    "describe",
+    "find_sites",
+    "only_wait",
+    "reshape_groups",
+    "same_shape",
+    "shape_of",
 ]
 
 AG_SITE = "all_gather+mm"
@@ -151,13 +164,13 @@ aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 
 _MATMULS = (aten.mm.default, aten.addmm.default)
-_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _TRANSPOSES = (aten.t.default, aten.transpose.int, aten.permute.default)
-_SAME_LAYOUT = (aten.clone.default, aten.alias.default)
-_PASS_THROUGH = _RESHAPES + _TRANSPOSES + _SAME_LAYOUT
+SAME_LAYOUT = (aten.clone.default, aten.alias.default)
+_PASS_THROUGH = RESHAPES + _TRANSPOSES + SAME_LAYOUT
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
-_METADATA = (aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
-             aten.sym_storage_offset.default)
+METADATA = (aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
+            aten.sym_storage_offset.default)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,8 +266,8 @@ class ReduceScatterMatch:
     movedim back of torchtitan's spelling); None: ``wait``."""
 
 
-class _Skip(Exception):
-    """Internal: this site is left alone, with ``args[0]`` as the reason; ``local="shape"``
+class Skip(Exception):
+    """This site is left alone, with ``args[0]`` as the reason; ``local="shape"``
     when the reason depends on this rank's sizes (another rank may decide otherwise)."""
 
     def __init__(self, reason: str, *, local: str = ""):
@@ -262,8 +275,8 @@ class _Skip(Exception):
         self.local = local
 
 
-def _find(graph: fx.Graph, target, kind: str, match_one, result: PassResult,
-          on_error: str) -> list:
+def find_sites(graph: fx.Graph, target, kind: str, match_one, result: PassResult,
+               on_error: str) -> list:
     """``match_one(node)`` for every ``target`` node: its match, or a skip with the reason.
     With ``on_error="skip"`` an unexpected exception is a skip too (the matcher only reads the
     graph, so the site stays as it was)."""
@@ -275,7 +288,7 @@ def _find(graph: fx.Graph, target, kind: str, match_one, result: PassResult,
             continue
         try:
             matches.append(match_one(node))
-        except _Skip as skip:
+        except Skip as skip:
             result.skip(node, kind, skip.args[0], local=skip.local)
         except Exception as exc:  # noqa: BLE001 - reported as the skip reason
             if on_error == "raise":
@@ -305,10 +318,10 @@ def find_all_gather_matches(graph: fx.Graph, result: PassResult, *, divisor: int
     (``chunks_per_rank`` for flash, ``chunks`` for slice).
     """
     _check_divisor(divisor, divisor_name)
-    return _find(graph, _c10d.all_gather_into_tensor.default, AG_SITE,
-                 lambda node: _match_all_gather(node, divisor, allow_other_users, allow_guards,
-                                                divisor_name),
-                 result, on_error)
+    return find_sites(graph, _c10d.all_gather_into_tensor.default, AG_SITE,
+                      lambda node: _match_all_gather(node, divisor, allow_other_users,
+                                                     allow_guards, divisor_name),
+                      result, on_error)
 
 
 def find_reduce_scatter_matches(graph: fx.Graph, result: PassResult, *, divisor: int = 1,
@@ -321,9 +334,10 @@ def find_reduce_scatter_matches(graph: fx.Graph, result: PassResult, *, divisor:
     ``find_all_gather_matches``, on the size of the scattered dim.
     """
     _check_divisor(divisor, divisor_name)
-    return _find(graph, _c10d.reduce_scatter_tensor.default, RS_SITE,
-                 lambda node: _match_reduce_scatter(node, divisor, allow_guards, divisor_name),
-                 result, on_error)
+    return find_sites(graph, _c10d.reduce_scatter_tensor.default, RS_SITE,
+                      lambda node: _match_reduce_scatter(node, divisor, allow_guards,
+                                                         divisor_name),
+                      result, on_error)
 
 
 def _check_divisor(divisor, name: str) -> None:
@@ -337,7 +351,7 @@ def _check_divisor(divisor, name: str) -> None:
 
 def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
                       allow_guards: bool, divisor_name: str) -> AllGatherMatch:
-    wait = _only_wait(ag)
+    wait = only_wait(ag)
     group_size = _arg(ag, 1, "group_size")
     group_name = _arg(ag, 2, "group_name")
     _check_group(group_name, group_size)
@@ -348,7 +362,7 @@ def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
         gathered, gather_dim, reassembly, shard = moved
     else:
         gathered, gather_dim, reassembly = _all_gather_reassembly(wait, group_size)
-    shape = _shape(gathered)
+    shape = shape_of(gathered)
     _check_trim(gathered, gather_dim, shape, group_size, divisor, divisor_name)
     cast = _only_cast(gathered)
     if cast is not None:  # autocast: the matmuls read a cast of the gathered tensor; casting the
@@ -357,37 +371,37 @@ def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
     uses, others = _matmul_uses(gathered, gather_dim)
     if not uses:
         if not others:
-            raise _Skip("nothing reads the gathered tensor")
+            raise Skip("nothing reads the gathered tensor")
         biased = [n for n in others if n.op == "call_function" and n.target in _MATMULS]
         if len(biased) == len(others):
-            raise _Skip(f"the gathered tensor is only the bias of {_names(biased)}, not a matmul "
-                        "operand: no matmul slices along it (an FSDP-style bias gather; it is "
-                        "small and left to the backend)")
-        readers = ", ".join(f"{_describe(n)}" for n in others[:3])
-        raise _Skip(f"consumer {readers} is not a matmul (mm/addmm)" if len(others) == 1 else
-                    f"no consumer is a matmul (mm/addmm): {readers}"
-                    + (f" and {len(others) - 3} more" if len(others) > 3 else ""))
+            raise Skip(f"the gathered tensor is only the bias of {_names(biased)}, not a matmul "
+                       "operand: no matmul slices along it (an FSDP-style bias gather; it is "
+                       "small and left to the backend)")
+        readers = ", ".join(f"{describe(n)}" for n in others[:3])
+        raise Skip(f"consumer {readers} is not a matmul (mm/addmm)" if len(others) == 1 else
+                   f"no consumer is a matmul (mm/addmm): {readers}"
+                   + (f" and {len(others) - 3} more" if len(others) > 3 else ""))
     for use in uses:
         if use.dim is None:
-            raise _Skip(f"the gather dim is spread over both dims of operand {use.operand} of "
-                        f"{use.node.name} by {_names(use.via)}; the matmul cannot be sliced "
-                        "along it")
+            raise Skip(f"the gather dim is spread over both dims of operand {use.operand} of "
+                       f"{use.node.name} by {_names(use.via)}; the matmul cannot be sliced "
+                       "along it")
     if not any(use.slices_output for use in uses):
         listed = ", ".join(f"{u.node.name} operand {u.operand}" for u in uses)
-        raise _Skip("the gather dim is the contraction (K) dim of every matmul that reads it "
-                    f"({listed}); slicing it would sum partial products")
-    downstream = _descendants(wait)
+        raise Skip("the gather dim is the contraction (K) dim of every matmul that reads it "
+                   f"({listed}); slicing it would sum partial products")
+    downstream = descendants(wait)
     for use in uses:  # a contraction (K) use is not sliced: it reads the reassembled tensor
         if not use.slices_output:  # (the weight gradient of a recomputed, checkpointed gather)
             continue
         other_arg = _operand(use.node, "B" if use.operand == "A" else "A")
         if isinstance(other_arg, fx.Node) and other_arg in downstream:
             other = "B" if use.operand == "A" else "A"
-            raise _Skip(f"operand {other} of {use.node.name} also depends on the gathered tensor "
-                        f"(through {other_arg.name}): the matmul cannot start before the gather "
-                        "completes")
+            raise Skip(f"operand {other} of {use.node.name} also depends on the gathered tensor "
+                       f"(through {other_arg.name}): the matmul cannot start before the gather "
+                       "completes")
     if others and not allow_other_users:
-        raise _Skip(f"the gathered tensor has other users ({', '.join(map(_describe, others))})")
+        raise Skip(f"the gathered tensor has other users ({', '.join(map(describe, others))})")
 
     needs_guard = _divisible(shape[gather_dim], group_size, divisor, f"gather dim {gather_dim}",
                              allow_guards, divisor_name)
@@ -426,8 +440,8 @@ def _all_gather_reassembly(wait: fx.Node, n: int) -> tuple[fx.Node, int, tuple[f
     readers = _readers(wait, keep_output=True)
     found = None
     for reader in readers:
-        if reader.target in _RESHAPES:
-            dim = _view_gather_dim(_shape(wait), _shape(reader), n)
+        if reader.target in RESHAPES:
+            dim = _view_gather_dim(shape_of(wait), shape_of(reader), n)
             if dim is not None:
                 found = (reader, dim, (reader,))
                 break
@@ -435,23 +449,23 @@ def _all_gather_reassembly(wait: fx.Node, n: int) -> tuple[fx.Node, int, tuple[f
             pieces = _split_pieces(reader, n)
             cat = _cat_of(pieces) if pieces else None
             if cat is not None:
-                found = (cat, _cat_dim(cat, _shape(cat)), (reader, *pieces, cat))
+                found = (cat, _cat_dim(cat, shape_of(cat)), (reader, *pieces, cat))
                 break
     if found is None:
         slices = [r for r in readers if _is_slice_of(r, wait, 0)]
         pieces = _ordered_slices(slices, wait, 0, n) if slices else None
         cat = _cat_of(pieces) if pieces else None
         if cat is not None:
-            found = (cat, _cat_dim(cat, _shape(cat)), (*pieces, cat))
+            found = (cat, _cat_dim(cat, shape_of(cat)), (*pieces, cat))
     if found is None:
         return wait, 0, ()
     gathered, dim, nodes = found
     extra = [user for node in (wait, *nodes[:-1]) for user in _readers(node, keep_output=True)
              if user not in nodes]
     if extra:
-        raise _Skip(f"the all-gather buffer {wait.name} is also read in its rank-major layout "
-                    f"by {', '.join(map(_describe, _unique(extra)))}, besides the reassembly "
-                    f"to gather dim {dim}")
+        raise Skip(f"the all-gather buffer {wait.name} is also read in its rank-major layout "
+                   f"by {', '.join(map(describe, _unique(extra)))}, besides the reassembly "
+                   f"to gather dim {dim}")
     return gathered, dim, nodes
 
 
@@ -475,7 +489,7 @@ def _movedim_gather(ag: fx.Node, wait: fx.Node):
     rewrite gathers ``x`` on d directly. None for any other form."""
     readers = _readers(wait, keep_output=True)
     inner = ag.args[0]
-    if isinstance(inner, fx.Node) and inner.target in _SAME_LAYOUT:
+    if isinstance(inner, fx.Node) and inner.target in SAME_LAYOUT:
         inner = inner.args[0]  # .contiguous() of the moved shard
     if len(readers) != 1:
         return None
@@ -509,14 +523,14 @@ def _check_trim(gathered: fx.Node, dim: int, shape: tuple, n: int, m: int, name:
     trim = readers[0]
     if trim.args[0] is not gathered or _norm_dim(_arg(trim, 1, "dim", 0), len(shape)) != dim:
         return
-    kept = _shape(trim)[dim]
+    kept = shape_of(trim)[dim]
     if _same(kept, shape[dim]):
         return
-    raise _Skip(f"uneven shards: gather dim {dim} holds {kept} elements over {n} ranks; DTensor "
-                f"pads each shard to {shape[dim] // n} and trims the gathered tensor "
-                f"at {trim.name}; pad dim {dim} to {_round_up_str(kept, n * m)}"
-                + (f" (a multiple of world size {n} x {name} {m} = {n * m})"
-                   if m > 1 else f" (a multiple of world size {n})"))
+    raise Skip(f"uneven shards: gather dim {dim} holds {kept} elements over {n} ranks; DTensor "
+               f"pads each shard to {shape[dim] // n} and trims the gathered tensor "
+               f"at {trim.name}; pad dim {dim} to {_round_up_str(kept, n * m)}"
+               + (f" (a multiple of world size {n} x {name} {m} = {n * m})"
+                  if m > 1 else f" (a multiple of world size {n})"))
 
 
 def _matmul_uses(gathered: fx.Node, gather_dim: int) -> tuple[list[MatmulUse], list[fx.Node]]:
@@ -524,7 +538,7 @@ def _matmul_uses(gathered: fx.Node, gather_dim: int) -> tuple[list[MatmulUse], l
     everything else that reads it (or a node on the way) is an other user."""
     uses: list[MatmulUse] = []
     others: list[fx.Node] = []
-    start = tuple(frozenset({i}) for i in range(len(_shape(gathered))))
+    start = tuple(frozenset({i}) for i in range(len(shape_of(gathered))))
     stack = [(gathered, start, ())]
     while stack:
         node, tags, via = stack.pop()
@@ -565,13 +579,13 @@ def _matmul_dim(tags: tuple[frozenset, ...], gather_dim: int, operand: str):
 
 def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool,
                           divisor_name: str) -> ReduceScatterMatch:
-    wait = _only_wait(rs)
+    wait = only_wait(rs)
     reduce_op = _arg(rs, 1, "reduce_op")
     group_size = _arg(rs, 2, "group_size")
     group_name = _arg(rs, 3, "group_name")
     _check_group(group_name, group_size)
     if str(reduce_op).lower() != "sum":
-        raise _Skip(f"reduce op {reduce_op!r} is not supported (sum only)")
+        raise Skip(f"reduce op {reduce_op!r} is not supported (sum only)")
 
     scattered = None
     moved = _movedim_reduce_scatter(rs, wait)
@@ -579,7 +593,7 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool,
         reduced, scatter_dim, reassembly, scattered = moved
     else:
         reduced, scatter_dim, reassembly = _reduce_scatter_reassembly(rs, group_size)
-    shape = _shape(reduced)
+    shape = shape_of(reduced)
 
     chain: list[fx.Node] = []
     node = reduced
@@ -594,11 +608,11 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool,
     if node.op != "call_function" or node.target not in _MATMULS:
         _check_pad(node, scatter_dim, group_size, divisor, divisor_name)
         if node.meta.get("flash_overlap_site"):
-            raise _Skip(f"the reduce-scatter input is the result of the decomposed schedule of "
-                        f"the all-gather at {node.meta['flash_overlap_site']}, which replaced "
-                        "the matmul that produced it (one matmul, one decomposed collective)")
-        raise _Skip(f"the reduce-scatter input is produced by {_describe(node)}, not by a matmul "
-                    "(mm/addmm)")
+            raise Skip(f"the reduce-scatter input is the result of the decomposed schedule of "
+                       f"the all-gather at {node.meta['flash_overlap_site']}, which replaced "
+                       "the matmul that produced it (one matmul, one decomposed collective)")
+        raise Skip(f"the reduce-scatter input is produced by {describe(node)}, not by a matmul "
+                   "(mm/addmm)")
     matmul = node
     via = tuple(reversed(chain))
 
@@ -607,20 +621,20 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool,
               if user not in allowed]
     if others:
         others = sorted(set(others), key=_order(rs.graph).__getitem__)
-        raise _Skip(f"the matmul result {matmul.name} has other users "
-                    f"({', '.join(map(_describe, others))}); the sliced schedule never holds the "
-                    "whole product")
+        raise Skip(f"the matmul result {matmul.name} has other users "
+                   f"({', '.join(map(describe, others))}); the sliced schedule never holds the "
+                   "whole product")
 
     tags = (frozenset({"M"}), frozenset({"N"}))
     for step in via:
         tags = _propagate(step, tags)
         if tags is None:
-            raise _Skip(f"cannot follow {_describe(step)} from {_shape(step.args[0])} to "
-                        f"{_shape(step)} back to the matmul's rows and columns")
+            raise Skip(f"cannot follow {describe(step)} from {shape_of(step.args[0])} to "
+                       f"{shape_of(step)} back to the matmul's rows and columns")
     dims = tags[scatter_dim]
     if len(dims) != 1:
-        raise _Skip(f"the scatter dim mixes the matmul's row and column dims ({_names(via)} "
-                    f"reshape {_shape(matmul)} to {shape}, scatter dim {scatter_dim})")
+        raise Skip(f"the scatter dim mixes the matmul's row and column dims ({_names(via)} "
+                   f"reshape {shape_of(matmul)} to {shape}, scatter dim {scatter_dim})")
     dim = next(iter(dims))
 
     needs_guard = _divisible(shape[scatter_dim], group_size, divisor,
@@ -640,9 +654,9 @@ def _movedim_reduce_scatter(rs: fx.Node, wait: fx.Node):
     [clone](permute(y, p)))), p)`` with p swapping dims 0 and d; ``scattered`` is the last
     permute, which holds the result in ``y``'s layout. Other readers of the wait (the
     partitioner may save the result in its moved layout for the backward) get the rewrite's
-    result moved back (``flash_overlap._feed_moved_readers``). None for any other form."""
+    result moved back (``flash_graph.feed_moved_readers``). None for any other form."""
     source = rs.args[0]
-    front = [source] if source.target in _SAME_LAYOUT else []
+    front = [source] if source.target in SAME_LAYOUT else []
     permuted = source.args[0] if front else source
     d = _swap_dim(permuted)
     if d is None:
@@ -663,7 +677,7 @@ def _sum_of_matmuls(node: fx.Node):
     if not (node.op == "call_function" and node.target is aten.add.Tensor
             and len(node.args) == 2 and not node.kwargs
             and all(isinstance(a, fx.Node) for a in node.args)
-            and all(_same_shape(_shape(a), _shape(node)) for a in node.args)):
+            and all(same_shape(shape_of(a), shape_of(node)) for a in node.args)):
         return None
     left, right = node.args
     right_term = _matmul_term(right)
@@ -680,7 +694,7 @@ def _sum_of_matmuls(node: fx.Node):
 def _matmul_term(node: fx.Node):
     """(matmul, reshape nodes from it to ``node``) or None."""
     chain = []
-    while node.op == "call_function" and node.target in _RESHAPES:
+    while node.op == "call_function" and node.target in RESHAPES:
         chain.append(node)
         node = node.args[0]
     if node.op == "call_function" and node.target in _MATMULS:
@@ -699,22 +713,22 @@ def _match_sum(rs, summed, via, reduced, scatter_dim, reassembly, wait, reduce_o
               for user in _readers(n, keep_output=True) if user not in allowed]
     if others:
         others = sorted(set(others), key=_order(rs.graph).__getitem__)
-        raise _Skip(f"the summed matmul results have other users "
-                    f"({', '.join(map(_describe, others))}); the sliced schedule never holds "
-                    "the whole sum")
+        raise Skip(f"the summed matmul results have other users "
+                   f"({', '.join(map(describe, others))}); the sliced schedule never holds "
+                   "the whole sum")
     dims = set()
     for matmul, term_via in terms:
         tags = (frozenset({"M"}), frozenset({"N"}))
         for step in (*term_via, *via):
             tags = _propagate(step, tags)
             if tags is None:
-                raise _Skip(f"cannot follow {_describe(step)} from {_shape(step.args[0])} to "
-                            f"{_shape(step)} back to the rows and columns of {matmul.name}")
+                raise Skip(f"cannot follow {describe(step)} from {shape_of(step.args[0])} to "
+                           f"{shape_of(step)} back to the rows and columns of {matmul.name}")
         dims.add(tags[scatter_dim])
     if dims != {frozenset({"M"})}:
-        raise _Skip(f"the scatter dim is not the rows of every summed matmul "
-                    f"({_names([mm for mm, _ in terms])}): a sum is rewritten when it is "
-                    "scattered on the product's rows")
+        raise Skip(f"the scatter dim is not the rows of every summed matmul "
+                   f"({_names([mm for mm, _ in terms])}): a sum is rewritten when it is "
+                   "scattered on the product's rows")
     needs_guard = _divisible(shape[scatter_dim], group_size, divisor,
                              f"scatter dim {scatter_dim}", allow_guards, divisor_name)
     return ReduceScatterMatch(
@@ -731,7 +745,7 @@ def _reduce_scatter_reassembly(rs: fx.Node, n: int) -> tuple[fx.Node, int, tuple
     Other readers of these nodes are caught by the caller's other-users check."""
     cat = rs.args[0]
     if not (isinstance(cat, fx.Node) and cat.target is aten.cat.default
-            and _cat_dim(cat, _shape(cat)) == 0):
+            and _cat_dim(cat, shape_of(cat)) == 0):
         return cat, 0, ()
     pieces = list(cat.args[0])
     if len(pieces) != n or not all(isinstance(p, fx.Node) for p in pieces):
@@ -740,12 +754,12 @@ def _reduce_scatter_reassembly(rs: fx.Node, n: int) -> tuple[fx.Node, int, tuple
     if first.target is operator.getitem and first.args[0].target in _SPLITS:
         split = first.args[0]
         source = split.args[0]
-        dim = _norm_dim(_arg(split, 2, "dim", 0), len(_shape(source)))
+        dim = _norm_dim(_arg(split, 2, "dim", 0), len(shape_of(source)))
         if _split_pieces(split, n) == pieces:
             return source, dim, (split, *pieces, cat)
     if first.target is aten.slice.Tensor:
         source = first.args[0]
-        dim = _norm_dim(_arg(first, 1, "dim", 0), len(_shape(source)))
+        dim = _norm_dim(_arg(first, 1, "dim", 0), len(shape_of(source)))
         if _ordered_slices(pieces, source, dim, n) == pieces:
             return source, dim, (*pieces, cat)
     return cat, 0, ()
@@ -763,25 +777,25 @@ def _check_pad(node: fx.Node, dim: int, n: int, m: int, name: str) -> None:
     source = pads[0].args[0]
     size = "?"
     if source.target is operator.getitem and source.args[0].target in _SPLITS:
-        size = _shape(source.args[0].args[0])[dim]
-    padded = _shape(node)[dim]
-    raise _Skip(f"uneven shards: scatter dim {dim} holds {size} elements over {n} ranks; "
-                f"DTensor pads it to {padded} ({pads[0].name}) before the reduce-scatter; pad "
-                f"dim {dim} to {_round_up_str(size, n * m) if size != '?' else 'a multiple'}"
-                + (f" (a multiple of world size {n} x {name} {m} = {n * m})"
-                   if m > 1 else f" (a multiple of world size {n})"))
+        size = shape_of(source.args[0].args[0])[dim]
+    padded = shape_of(node)[dim]
+    raise Skip(f"uneven shards: scatter dim {dim} holds {size} elements over {n} ranks; "
+               f"DTensor pads it to {padded} ({pads[0].name}) before the reduce-scatter; pad "
+               f"dim {dim} to {_round_up_str(size, n * m) if size != '?' else 'a multiple'}"
+               + (f" (a multiple of world size {n} x {name} {m} = {n * m})"
+                  if m > 1 else f" (a multiple of world size {n})"))
 
 
 # ----------------------------------------------------------------------------------------------
 # Shared checks
 
 
-def _only_wait(collective: fx.Node) -> fx.Node:
+def only_wait(collective: fx.Node) -> fx.Node:
     users = _readers(collective, keep_output=True)
     if len(users) == 1 and users[0].target is _c10d.wait_tensor.default:
         return users[0]
-    listed = ", ".join(map(_describe, users)) or "none"
-    raise _Skip(f"wait_tensor is not the only user of the collective (users: {listed})")
+    listed = ", ".join(map(describe, users)) or "none"
+    raise Skip(f"wait_tensor is not the only user of the collective (users: {listed})")
 
 
 def _check_group(name, size) -> None:
@@ -790,16 +804,16 @@ def _check_group(name, size) -> None:
 
         group = _resolve_process_group(name)
     except Exception:  # noqa: BLE001 - any failure to resolve means "not a live group here"
-        raise _Skip(f"group {name!r} is unknown: not a registered process group name "
-                    "(unknown group)") from None
+        raise Skip(f"group {name!r} is unknown: not a registered process group name "
+                   "(unknown group)") from None
     if group.size() != size:
-        raise _Skip(f"group size argument {size} does not match the size {group.size()} of "
-                    f"group {name!r}")
+        raise Skip(f"group size argument {size} does not match the size {group.size()} of "
+                   f"group {name!r}")
 
 
 def _divisible(size, n: int, m: int, what: str, allow_guards: bool, name: str):
     """None when ``size`` is divisible by ``n * m``; the sympy guard when only the traced sizes
-    make it so; raises ``_Skip`` otherwise. ``name``: the option ``m`` came from."""
+    make it so; raises ``Skip`` otherwise. ``name``: the option ``m`` came from."""
     k = n * m
     by = f"world size {n} x {name} {m} = {k}" if m > 1 else f"world size {n}"
     fix = f" or set {name}=1"
@@ -807,25 +821,25 @@ def _divisible(size, n: int, m: int, what: str, allow_guards: bool, name: str):
         if size % k == 0:
             return None
         also = fix if m > 1 and size % n == 0 else ""
-        raise _Skip(f"{what} of size {size} is not divisible by {by}; pad {what.split(' ', 1)[1]} "
-                    f"to {_round_up_str(size, k)}{also}", local="shape")
+        raise Skip(f"{what} of size {size} is not divisible by {by}; pad {what.split(' ', 1)[1]} "
+                   f"to {_round_up_str(size, k)}{also}", local="shape")
     cond = size % k == 0
     if statically_known_true(cond):
         return None
     expr = cond.node.expr
     if not cond.node.has_hint():
-        raise _Skip(f"symbolic size {size} of {what} cannot be proven divisible by {by} "
-                    "(data-dependent size, no hint)", local="shape")
+        raise Skip(f"symbolic size {size} of {what} cannot be proven divisible by {by} "
+                   "(data-dependent size, no hint)", local="shape")
     hint = size.node.hint
     if not cond.node.hint:
-        raise _Skip(f"symbolic size {size} of {what} (= {hint} for the traced shapes) is not "
-                    f"divisible by {by}; pad it to a multiple of {k}"
-                    + (fix if m > 1 else ""), local="shape")
+        raise Skip(f"symbolic size {size} of {what} (= {hint} for the traced shapes) is not "
+                   f"divisible by {by}; pad it to a multiple of {k}"
+                   + (fix if m > 1 else ""), local="shape")
     if not allow_guards:
-        raise _Skip(f"symbolic size {size} of {what} cannot be proven divisible by {by}: true "
-                    f"for the traced shapes (= {hint}) only under the guard {expr}, which is "
-                    "not added here (guards are added while compiling a forward graph, not a "
-                    "backward one); mark the dim static" + (fix if m > 1 else ""), local="shape")
+        raise Skip(f"symbolic size {size} of {what} cannot be proven divisible by {by}: true "
+                   f"for the traced shapes (= {hint}) only under the guard {expr}, which is "
+                   "not added here (guards are added while compiling a forward graph, not a "
+                   "backward one); mark the dim static" + (fix if m > 1 else ""), local="shape")
     return expr
 
 
@@ -842,7 +856,7 @@ def _arg(node: fx.Node, index: int, name: str, default=None):
 def _readers(node: fx.Node, *, keep_output: bool = False) -> list[fx.Node]:
     """Users that read the data (sym_size and friends only read metadata)."""
     return [u for u in node.users
-            if not (u.op == "call_function" and u.target in _METADATA)
+            if not (u.op == "call_function" and u.target in METADATA)
             and (keep_output or u.op != "output")]
 
 
@@ -851,11 +865,11 @@ def _operand(mm: fx.Node, which: str):
     return mm.args[offset + (0 if which == "A" else 1)]
 
 
-def _shape(node: fx.Node) -> tuple:
+def shape_of(node: fx.Node) -> tuple:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor):
         name = getattr(node, "name", node)
-        raise _Skip(f"no shape metadata (meta['val']) on {name}; run on a traced post-grad graph")
+        raise Skip(f"no shape metadata (meta['val']) on {name}; run on a traced post-grad graph")
     return tuple(val.shape)
 
 
@@ -876,7 +890,7 @@ def _split_pieces(split: fx.Node, n: int) -> list[fx.Node] | None:
 
 def _is_slice_of(node: fx.Node, source: fx.Node, dim: int) -> bool:
     return (node.target is aten.slice.Tensor and node.args[0] is source
-            and _norm_dim(_arg(node, 1, "dim", 0), len(_shape(source))) == dim
+            and _norm_dim(_arg(node, 1, "dim", 0), len(shape_of(source))) == dim
             and _arg(node, 4, "step", 1) == 1)
 
 
@@ -891,7 +905,7 @@ def _ordered_slices(nodes, source: fx.Node, dim: int, n: int) -> list[fx.Node] |
             return None
         ordered.append(piece)
         at = _arg(piece, 3, "end")
-    size = _shape(source)[dim]
+    size = shape_of(source)[dim]
     if not (_same(at, size) or (isinstance(at, int) and isinstance(size, int) and at >= size)):
         return None
     return ordered
@@ -911,7 +925,7 @@ def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def _same_shape(a: tuple, b: tuple) -> bool:
+def same_shape(a: tuple, b: tuple) -> bool:
     """Shapes equal, decided without guards (``(s0, 4) == (4,)`` in Python would compare
     ``s0 == 4`` and specialize ``s0``)."""
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
@@ -935,7 +949,7 @@ def _same(a, b) -> bool:
 def _propagate(node: fx.Node, tags: tuple[frozenset, ...]) -> tuple[frozenset, ...] | None:
     """Dim tags of ``node``'s output from those of its input (None: cannot follow)."""
     target = node.target
-    if target in _SAME_LAYOUT or _is_cast(node):
+    if target in SAME_LAYOUT or _is_cast(node):
         return tags
     if target is aten.t.default:
         return tags[::-1] if len(tags) == 2 else tags
@@ -946,11 +960,11 @@ def _propagate(node: fx.Node, tags: tuple[frozenset, ...]) -> tuple[frozenset, .
         return tuple(out)
     if target is aten.permute.default:
         return tuple(tags[_norm_dim(d, len(tags))] for d in node.args[1])
-    if target in _RESHAPES:
-        groups = _reshape_groups(_shape(node.args[0]), _shape(node))
+    if target in RESHAPES:
+        groups = reshape_groups(shape_of(node.args[0]), shape_of(node))
         if groups is None:
             return None
-        out = [frozenset()] * len(_shape(node))
+        out = [frozenset()] * len(shape_of(node))
         for src, dst in groups:
             merged = frozenset().union(*(tags[i] for i in src))
             for j in dst:
@@ -959,7 +973,7 @@ def _propagate(node: fx.Node, tags: tuple[frozenset, ...]) -> tuple[frozenset, .
     return None
 
 
-def _reshape_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]] | None:
+def reshape_groups(src: tuple, dst: tuple) -> list[tuple[list[int], list[int]]] | None:
     """Pair runs of input dims with runs of output dims of equal product (a reshape's dim
     groups); decided on the traced sizes (hints) for SymInts."""
     s = [_hint(x) for x in src]
@@ -999,7 +1013,7 @@ def _hint(size):
     return node.hint if node is not None and node.has_hint() else None
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
+def descendants(node: fx.Node) -> set[fx.Node]:
     seen, stack = set(), [node]
     while stack:
         for user in stack.pop().users:
@@ -1036,7 +1050,7 @@ def _unique(nodes) -> tuple[fx.Node, ...]:
     return tuple(sorted(seen, key=order.__getitem__))
 
 
-def _describe(node: fx.Node) -> str:
+def describe(node: fx.Node) -> str:
     if node.op == "output":
         return "the graph output (saved for backward or returned)"
     if node.op == "placeholder":

@@ -51,6 +51,7 @@ from torch import Tensor
 from .p2p import group_rank_and_size, start_exchange, wait_exchange
 
 __all__ = [
+    "AttentionRows",
     "ScheduleTrace",
     "Step",
     "Transfer",
@@ -62,6 +63,7 @@ __all__ = [
     "sliced_all_gather_matmul",
     "sliced_all_gather_weight_matmul",
     "sliced_matmul_reduce_scatter",
+    "cat_like",
 ]
 
 RS_VARIANTS = ("ring", "direct")
@@ -632,12 +634,12 @@ class AttentionRows:
             batches: dict[int, list[Tensor]] = {}
             for b0, q0 in starts:
                 batches.setdefault(b0, []).append(self._computed[b0, q0][i])
-            rows = [_cat_like(parts, 2, like) for _, parts in sorted(batches.items())]
-            full.append(_cat_like(rows, 0, like))
+            rows = [cat_like(parts, 2, like) for _, parts in sorted(batches.items())]
+            full.append(cat_like(rows, 0, like))
         return full
 
 
-def _cat_like(pieces: list[Tensor], dim: int, like: Tensor) -> Tensor:
+def cat_like(pieces: list[Tensor], dim: int, like: Tensor) -> Tensor:
     """``cat(pieces, dim)`` with the memory layout (stride order) of ``like``, a dense tensor
     the pieces slice along ``dim``."""
     if len(pieces) == 1:

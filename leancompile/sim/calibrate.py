@@ -92,33 +92,33 @@ def workload(graphs_or_report) -> dict:
     all-gather's or reduce-scatter's shard), for ``calibrate_cpu_gloo(workload=...)``, which
     times fp32 (the only dtype ``cpu-gloo`` has a rate for). Symbolic sizes count at their
     hints, as the simulator counts them."""
-    from .simulate import _FREE, _MATMULS, _concrete, _graphs, _group_size, _name, _tensors
+    from .graph_facts import FREE, MATMULS, concrete, graphs_of, group_size, op_name, tensors_of
 
     def numel(t) -> int:  # symbolic sizes at their hints, as the simulator takes them
-        return math.prod(_concrete(d) for d in t.shape)
+        return math.prod(concrete(d) for d in t.shape)
 
     matmuls, activation, message = [], 0, 0
-    for graph in _graphs(graphs_or_report):
+    for graph in graphs_of(graphs_or_report):
         for node in graph.nodes:
             if node.op != "call_function":
                 continue
-            name = _name(node)
-            out = _tensors(node.meta.get("val"))
+            name = op_name(node)
+            out = tensors_of(node.meta.get("val"))
             if name == "p2p_start" or name in ("all_gather_into_tensor",
                                                "reduce_scatter_tensor"):
-                sent = _tensors(node.args[0].meta.get("val")) \
+                sent = tensors_of(node.args[0].meta.get("val")) \
                     if isinstance(node.args[0], fx.Node) else []
                 hop = sum(numel(t) for t in sent)
                 message = max(message, hop if name != "reduce_scatter_tensor" else
-                              hop // max(_group_size(node) or 1, 1))
+                              hop // max(group_size(node) or 1, 1))
             elif name in ("mm", "addmm"):
-                a, b = (_tensors(x.meta.get("val")) if isinstance(x, fx.Node) else []
+                a, b = (tensors_of(x.meta.get("val")) if isinstance(x, fx.Node) else []
                         for x in node.args[-2:])
                 if a and b and a[0].dtype == torch.float32:
-                    shape = tuple(_concrete(d) for d in (*a[0].shape, b[0].shape[1]))
+                    shape = tuple(concrete(d) for d in (*a[0].shape, b[0].shape[1]))
                     if shape not in matmuls:
                         matmuls.append(shape)
-            elif name not in _MATMULS and name not in _FREE and out and \
+            elif name not in MATMULS and name not in FREE and out and \
                     out[0].dtype == torch.float32 and not name.startswith(("p2p", "all_",
                                                                            "reduce_", "wait")):
                 activation = max(activation, numel(out[0]))

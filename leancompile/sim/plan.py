@@ -43,7 +43,8 @@ import torch
 
 from .devices import device_profile
 from .fullscale import trace_graphs
-from .simulate import _FREE, _name, _nbytes, _tensors, simulate
+from .graph_facts import FREE, op_name, tensor_bytes, tensors_of
+from .simulate import simulate
 
 __all__ = ["MODELS", "PAPER_SPEEDUPS", "GRPOPlanConfig", "ModelCosts", "model_costs",
            "plan_grpo"]
@@ -192,7 +193,7 @@ def _saved_bytes(forward) -> int:
     views of them)."""
     base = {}
     for node in forward.graph.nodes:
-        if node.op == "call_function" and _name(node) in _FREE and node.all_input_nodes:
+        if node.op == "call_function" and op_name(node) in FREE and node.all_input_nodes:
             base[node] = base.get(node.all_input_nodes[0], node.all_input_nodes[0])
     output = next(n for n in forward.graph.nodes if n.op == "output")
     saved = [o for o in output.args[0][1:] if hasattr(o, "op")]
@@ -202,7 +203,7 @@ def _saved_bytes(forward) -> int:
         if root.op == "placeholder" or root in seen:
             continue
         seen.add(root)
-        total += sum(map(_nbytes, _tensors(node.meta.get("val"))))
+        total += sum(map(tensor_bytes, tensors_of(node.meta.get("val"))))
     return total
 
 

@@ -33,31 +33,19 @@ Before/after (TP=4 all-gather + matmul, one rank; C = compute of one slice, M = 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from .devices import DeviceProfile, device_profile
+from .graph_facts import (FREE, MATMULS, concrete, graphs_of, group_size, op_name,
+                          tensor_bytes, tensors_of)
 
 __all__ = ["Span", "Timeline", "exposure", "exposed_by_site", "node_cost", "simulate"]
 
 aten = torch.ops.aten
 
-_FREE = {
-    "view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "slice", "select",
-    "squeeze", "unsqueeze", "as_strided", "alias", "detach", "split", "split_with_sizes",
-    "unbind", "view_as", "unflatten", "flatten", "narrow", "diagonal", "lift_fresh_copy",
-    "empty", "empty_strided", "empty_like", "sym_size", "sym_numel", "sym_stride",
-}
-_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "convolution",
-            "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-            "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
-            "_scaled_dot_product_flash_attention_backward",
-            "_scaled_dot_product_efficient_attention_backward", "convolution_backward",
-            "_scaled_dot_product_flash_attention_for_cpu",
-            "_scaled_dot_product_flash_attention_for_cpu_backward"}
 _COLLECTIVES = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
                 "all_to_all_single", "broadcast", "all_gather_into_tensor_coalesced",
                 "reduce_scatter_tensor_coalesced", "all_reduce_coalesced"}
@@ -115,40 +103,6 @@ class Timeline:
                 "otherData": {"device": self.device, "simulated": True}}
 
 
-def _name(node: fx.Node) -> str:
-    target = node.target
-    if target is operator.getitem:
-        return "getitem"
-    name = getattr(target, "__name__", str(target))
-    packet = getattr(target, "overloadpacket", None)
-    if packet is not None:
-        name = packet.__name__
-    return name.split(".")[0]
-
-
-def _concrete(x) -> int:
-    if isinstance(x, torch.SymInt):
-        return int(x.node.hint) if x.node.hint is not None else 1
-    return int(x)
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    out = []
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            out += _tensors(v)
-    return out
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    n = 1
-    for d in t.shape:
-        n *= _concrete(d)
-    return n * t.element_size()
-
-
 def _val(node):
     return node.meta.get("val") if isinstance(node, fx.Node) else node
 
@@ -167,7 +121,7 @@ def _flops(node: fx.Node) -> float:
 
     packet = getattr(node.target, "overloadpacket", None)
     formula = flop_registry.get(packet)
-    like = _FLOPS_LIKE.get(_name(node))
+    like = _FLOPS_LIKE.get(op_name(node))
     if formula is None and like is not None:
         formula = flop_registry.get(getattr(aten, like))
     if formula is None:
@@ -175,42 +129,33 @@ def _flops(node: fx.Node) -> float:
     args = fx.node.map_arg(node.args, _val)
     kwargs = fx.node.map_arg(node.kwargs, _val)
     try:
-        return float(_concrete(formula(*args, out_val=node.meta.get("val"), **kwargs)))
+        return float(concrete(formula(*args, out_val=node.meta.get("val"), **kwargs)))
     except Exception:  # noqa: BLE001 - a formula that cannot read these shapes counts 0
         return 0.0
-
-
-def _group_size(node: fx.Node) -> int:
-    name = _name(node)
-    if name.startswith(("all_gather_into_tensor", "reduce_scatter_tensor")):  # (coalesced too)
-        return int(node.args[1] if name.startswith("all_gather") else node.args[2])
-    if name == "all_to_all_single" and len(node.args) >= 4:
-        return max(len(node.args[1] or node.args[2] or [1]), 1)
-    return 0
 
 
 def node_cost(node: fx.Node, device: DeviceProfile, *, world_size: int | None = None
               ) -> tuple[str, float, float, int]:
     """(stream, seconds, FLOPs, bytes) of one node: ``"free"`` (no time), ``"compute"``,
     ``"comm"`` or ``"wait"`` (module docstring)."""
-    name = _name(node)
-    if node.op != "call_function" or name in _FREE or name == "getitem" or \
+    name = op_name(node)
+    if node.op != "call_function" or name in FREE or name == "getitem" or \
             name.startswith("sym_") or node.target in (operator.mul, operator.add,
-                                                      operator.floordiv, operator.sub):
+                                                       operator.floordiv, operator.sub):
         return "free", 0.0, 0.0, 0
     if name in _WAITS:
         return "wait", 0.0, 0.0, 0
-    out = _tensors(node.meta.get("val"))
-    ins = [t for a in node.all_input_nodes for t in _tensors(a.meta.get("val"))]
+    out = tensors_of(node.meta.get("val"))
+    ins = [t for a in node.all_input_nodes for t in tensors_of(a.meta.get("val"))]
     if name == "p2p_start":
-        send = _tensors(_val(node.args[0]))
-        nbytes = sum(map(_nbytes, send))
+        send = tensors_of(_val(node.args[0]))
+        nbytes = sum(map(tensor_bytes, send))
         return "comm", device.link_latency + nbytes / device.link_bandwidth, 0.0, nbytes
     if name == "p2p_probe":
         return "comm", device.link_latency, 0.0, 0
     if name in _COLLECTIVES:
-        n = _group_size(node) or world_size or 1
-        in_bytes = sum(map(_nbytes, ins))
+        n = group_size(node) or world_size or 1
+        in_bytes = sum(map(tensor_bytes, ins))
         bw, alpha = device.bus_bandwidth, device.ring_step_latency
         if name.startswith("all_gather"):
             t = (n - 1) * (alpha + in_bytes / bw)
@@ -224,10 +169,10 @@ def node_cost(node: fx.Node, device: DeviceProfile, *, world_size: int | None = 
             t = (n - 1) * alpha + in_bytes / bw
         return "comm", t, 0.0, in_bytes
     flops = _flops(node)
-    nbytes = sum(map(_nbytes, ins)) + sum(map(_nbytes, out))
+    nbytes = sum(map(tensor_bytes, ins)) + sum(map(tensor_bytes, out))
     dtype = out[0].dtype if out else torch.float32
     peak = device.peak_flops(dtype)
-    if name in _MATMULS and flops > 0:
+    if name in MATMULS and flops > 0:
         compute = device.matmul_overhead + flops / (peak * device.matmul_efficiency)
     else:
         compute = flops / peak
@@ -237,35 +182,12 @@ def node_cost(node: fx.Node, device: DeviceProfile, *, world_size: int | None = 
 
 def _pure(node: fx.Node) -> bool:
     """No side effect: a node nothing reads can be dropped (collectives and P2P ops stay)."""
-    name = _name(node)
+    name = op_name(node)
     if name in _COLLECTIVES or name in _WAITS or name.startswith("p2p_") or \
             name.endswith("_") or name in ("copy_", "resize_"):
         return False
     schema = getattr(node.target, "_schema", None)
     return schema is None or not schema.is_mutable
-
-
-def _graphs(graphs_or_report) -> list[fx.Graph]:
-    from ..report import Report
-
-    if isinstance(graphs_or_report, fx.GraphModule):
-        return [graphs_or_report.graph]
-    if isinstance(graphs_or_report, fx.Graph):
-        return [graphs_or_report]
-    if isinstance(graphs_or_report, Report):
-        out = []
-        for record in graphs_or_report.graphs:
-            graph = record.after_snapshot.graph
-            if graph is None:
-                raise ValueError(
-                    "this report no longer holds its graphs (only their code); simulate the "
-                    "graph modules instead (the compiler's post-pass graphs)")
-            out.append(graph)
-        return out
-    if isinstance(graphs_or_report, Sequence):
-        return [g for item in graphs_or_report for g in _graphs(item)]
-    raise TypeError(f"simulate takes fx graphs, graph modules, a list of them or a Report, "
-                    f"not {type(graphs_or_report).__name__}")
 
 
 def simulate(graphs_or_report, device="h200", *, world_size: int | None = None) -> Timeline:
@@ -277,7 +199,7 @@ def simulate(graphs_or_report, device="h200", *, world_size: int | None = None) 
     profile = device_profile(device)
     timeline = Timeline(device=profile.name)
     clock = 0.0
-    for index, graph in enumerate(_graphs(graphs_or_report)):
+    for index, graph in enumerate(graphs_of(graphs_or_report)):
         clock = _run(graph, index, profile, timeline, clock, world_size)
     timeline.total_s = clock
     timeline.compute_s = sum(s.end - s.start for s in timeline.spans if s.stream == "compute")
@@ -303,8 +225,8 @@ def _run(graph: fx.Graph, index: int, profile: DeviceProfile, timeline: Timeline
             node, profile, world_size=world_size)[0]
         # (a wait returns its collective's buffer)
         if node.op == "call_function" and stream in ("free", "wait") and \
-                node.all_input_nodes and _name(node) not in ("empty", "empty_strided",
-                                                             "empty_like"):
+                node.all_input_nodes and op_name(node) not in ("empty", "empty_strided",
+                                                               "empty_like"):
             base[node] = base.get(node.all_input_nodes[0], node.all_input_nodes[0])
     # comm_compute_overlap < 0: each transfer in flight -> [its seconds, the compute seconds
     # issued beside it]; the interference is paid at its wait.
@@ -325,7 +247,7 @@ def _run(graph: fx.Graph, index: int, profile: DeviceProfile, timeline: Timeline
             ready[node] = start_ready  # dead code: the compilers drop it
         elif node.op == "call_function":
             stream, seconds, flops, nbytes = node_cost(node, profile, world_size=world_size)
-            label = _name(node)
+            label = op_name(node)
             if stream == "free":
                 ready[node] = start_ready
             elif stream == "compute":
@@ -369,7 +291,7 @@ def _run(graph: fx.Graph, index: int, profile: DeviceProfile, timeline: Timeline
         else:
             ready[node] = start_ready
         if node not in base and node.op in ("placeholder", "call_function"):
-            sizes[node] = sum(map(_nbytes, _tensors(node.meta.get("val"))))
+            sizes[node] = sum(map(tensor_bytes, tensors_of(node.meta.get("val"))))
             live += sizes[node]
         timeline.peak_memory_bytes = max(timeline.peak_memory_bytes, live)
         for dead in frees.get(i, []):
@@ -393,10 +315,10 @@ def exposed_by_site(timeline: Timeline, graph: fx.Graph) -> dict[str, float]:
         if node is None:
             continue
         site = node.meta.get(SITE_META)
-        if site is None and _name(node) == "wait_tensor" and node.all_input_nodes:
+        if site is None and op_name(node) == "wait_tensor" and node.all_input_nodes:
             source = node.all_input_nodes[0]
             site = source.meta.get(SITE_META, source.name)
-        if site is None and _name(node) == "p2p_wait" and node.all_input_nodes:
+        if site is None and op_name(node) == "p2p_wait" and node.all_input_nodes:
             site = node.all_input_nodes[0].meta.get(SITE_META)
         site = site or node.name
         out[site] = out.get(site, 0.0) + span.end - span.start
