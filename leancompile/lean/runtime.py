@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -24,16 +23,14 @@ from .reweight import Reweight
 from .config import ReuseWarning, StepStats
 from .state import KeptCall, buffer_bytes
 
-if TYPE_CHECKING:  # (api.py imports this module)
-    from .api import LeanStep
-
 __all__ = ["GraphRuntime", "warn_little_reuse"]
 
 
 class GraphRuntime(Keys, Retain, Reweight):
     """The compiled function Dynamo calls for one graph of the wrapped function."""
 
-    def __init__(self, step: "LeanStep", graphs: StepGraphs):
+    def __init__(self, step, graphs: StepGraphs):
+        """``step``: the ``LeanStep`` (``api.py``) whose graph this is."""
         self.step = step
         self.g = graphs
         self.params = [i for i, r in enumerate(graphs.roles) if r.kind == "param"]

@@ -13,12 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from typing import TYPE_CHECKING
-
 from .config import StepConfig, StepStats
-
-if TYPE_CHECKING:  # (runtime.py imports this module)
-    from .runtime import GraphRuntime
 
 __all__ = ["TrainSpec", "KeptCall", "StepState", "free_memory_bytes", "synchronize", "sample_ids",
            "buffer_bytes"]
@@ -71,7 +66,8 @@ class TrainSpec:
 class KeptCall:
     """One trained rollout call: its inputs, outputs and what the schedule kept."""
 
-    runtime: "GraphRuntime"
+    runtime: object
+    """The ``GraphRuntime`` (``runtime.py``) of the graph that ran it."""
     mode: str
     args: list
     batch: int
