@@ -505,3 +505,21 @@ def test_a_permuted_output_gets_its_traced_tangent_strides(compiler):
         got = run(model, step, step)
         assert step.stats.reused_calls == (6 if schedule == "retain" else 0)
         assert _rel(got, ref) <= 1e-6, (schedule, _rel(got, ref))
+
+
+def test_a_one_row_call_of_an_untrained_row_says_inputs_not_seen():
+    """Dynamo specialises a batch of 1 into its own graph, matched to the kept graph through a
+    trace at 1; the reason for a miss compared the batch-1 graph's own fingerprint and blamed
+    "another graph" (found by the property tests)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    step = leancompile.lean_compile(layer, backend="aot_eager", schedule="retain")
+    xs = [torch.randn(2, 4)]
+    with step.rollout(train={0}), torch.no_grad():
+        for _ in range(2):
+            xs.append(step(xs[-1]))
+    with step.update():
+        step(xs[0][:1]).sum().backward()  # trained: served
+        step(xs[1][:1]).sum().backward()  # not trained
+    assert step.stats.reused_calls == 1
+    assert dict(step.stats.recomputed) == {"row 0: inputs not seen in the rollout": 1}

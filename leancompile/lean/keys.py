@@ -87,12 +87,13 @@ class Keys:
                 "optimizer") + "): kept state is stale"
             return None, state.stale
         batch = self._batch(args)
-        keys = self.keys(args, batch, self._fingerprint_for(args, batch))
+        fingerprint = self._fingerprint_for(args, batch)
+        keys = self.keys(args, batch, fingerprint)
         assignment = []
         for row, key in enumerate(keys):
             candidates = state.index.get(key, [])
             if not candidates:
-                return None, self._why_not(args, row)
+                return None, self._why_not(fingerprint, row)
             # Rows not yet used first, by this call either (two samples with equal rows, as
             # DanceGRPO's shared initial noise makes at its first step, each get their own);
             # the first that is fresh, unedited and equal value by value serves.
@@ -161,10 +162,13 @@ class Keys:
                 args.append(value)
         return args
 
-    def _why_not(self, args, row) -> str:
-        state, g = self.step._state, self.g
-        same_graph = [k for k in state.kept if k.runtime.g.fingerprint == g.fingerprint or (
-            k.runtime.g.sample_fingerprint and k.runtime.g.sample_fingerprint == g.fingerprint)]
+    def _why_not(self, fingerprint, row) -> str:
+        """Why row ``row`` found no kept row: another graph, or inputs not seen. ``fingerprint``
+        is what the keys used (for a graph specialised to a batch of 1, the fingerprint of the
+        kept graph that computes the same at 1: ``_fingerprint_for``)."""
+        state = self.step._state
+        same_graph = [k for k in state.kept if fingerprint in (
+            k.runtime.g.fingerprint, k.runtime.g.sample_fingerprint or None)]
         if not same_graph:
             return ("no kept rollout call computes the same function (another graph: a changed "
                     "module state such as a disabled adapter, training mode, autocast, a hook added "
