@@ -57,7 +57,6 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
 from ..capture import StepGraphs, capture_graph
 from ..compiler import LeanBackend, LeanGraphPass
@@ -375,7 +374,7 @@ class LeanStep:
         """What ``leancompile.explain(step, *args)`` returns: the graphs a call with these
         arguments runs (compiled, not run) and what each schedule keeps for it."""
         graphs = self.plan(*args, **kwargs)
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        tensors = _tensors_of(args, kwargs)
         batch = next((t.shape[0] for t in tensors if t.dim() >= 1), 1)
         device = tensors[0].device if tensors else torch.device("cpu")
         budget = self.config.memory_budget_bytes or int(
