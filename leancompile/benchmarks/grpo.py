@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Mapping
 
 import torch
 
+from ..passes.lean_grpo import SCHEDULES
+from .grpo_eager import EagerResult, eager_flow_grpo_gradients
+from .grpo_report import format_table
 from .timing import add_malloc_flag, apply_malloc_flag, ideal_ratio, join_torchrun, step_times
 
 __all__ = ["BenchConfig", "EagerResult", "eager_flow_grpo_gradients", "run_grpo_bench",
@@ -48,7 +49,6 @@ __all__ = ["BenchConfig", "EagerResult", "eager_flow_grpo_gradients", "run_grpo_
 
 COMPILERS = ("aot_eager", "inductor")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-SCHEDULES = ("recompute", "retain", "reweight")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,120 +168,6 @@ def build_policy(config: BenchConfig):
 def mean_latent_reward(latents, conditions):
     """A cheap reward (the mean latent), so that the model dominates the timing."""
     return latents.float().flatten(1).mean(1)
-
-
-# -- the eager row -----------------------------------------------------------------------------
-@dataclass(kw_only=True)
-class EagerResult:
-    """One plain eager FlowGRPO iteration's gradients and its two timed phases."""
-
-    grads: dict[str, torch.Tensor]
-    """Trainable parameters by name, in ``policy.named_parameters()`` order."""
-    rewards: torch.Tensor
-    advantages: torch.Tensor
-    rollout_seconds: float
-    """Sampling under ``no_grad`` (velocity + SDE step + log-prob per step), rewards and group
-    advantages."""
-    update_seconds: float
-    """Forward with grad + log-prob + PPO loss + backward per selected step."""
-    ratio_error: float = 0.0
-    """max |ratio - 1| over the update's rows (on-policy: 1 up to the rounding of the grad
-    forward against the no-grad one)."""
-
-
-def eager_flow_grpo_gradients(policy, config, conditions: Mapping[str, torch.Tensor],
-                              reward_fn: Callable, generator: torch.Generator) -> EagerResult:
-    """One FlowGRPO iteration in plain eager PyTorch (no compile, no leancompile), without the
-    optimizer step: the gradient that ``GRPOTrainer(policy, reward_fn, None, config)
-    .compute_gradients(conditions, generator)`` computes, by FlowGRPO's loop.
-
-    ``config`` is the trainer's ``GRPOConfig`` (``sde``, ``eta``, ``group_size``, timestep
-    selection, clipping; ``beta`` must be 0). The draws from ``generator`` are the trainer's (a
-    base seed, then per-sample generators: ``leancompile.grpo.layout.draw_samples``); so with
-    the same generator state both see the same trajectory noise. Gradients accumulate in
-    ``.grad`` (which must be empty on entry) and are handed back, leaving ``.grad`` empty.
-    """
-    from ..grpo.advantages import AdvantageConfig, group_advantages, group_ids_for
-    from ..grpo.rewards import check_rewards
-    from ..grpo.sde import sde_step
-    from ..grpo.layout import draw_samples, step_seed
-    from ..lean import synchronize
-
-    if config.beta > 0:
-        raise ValueError("the eager FlowGRPO row has no KL term; use beta=0")
-    params = [(n, p) for n, p in policy.named_parameters() if p.requires_grad]
-    if any(p.grad is not None for _, p in params):
-        raise ValueError("the policy's parameters already hold gradients; clear them first")
-    keys = list(conditions)
-    num_prompts = next(iter(conditions.values())).shape[0]
-    batch = num_prompts * config.group_size
-    cond = {k: v.repeat_interleave(config.group_size, dim=0) for k, v in conditions.items()}
-    sigmas = policy.sigmas
-    num_steps = len(sigmas) - 1
-
-    # The same draws as the trainer: one base seed from the generator, then each sample's own
-    # generator (trained steps, initial latent, SDE noise).
-    draws = draw_samples(policy, selection=config.selection, num_prompts=num_prompts,
-                         group_size=config.group_size, num_steps=num_steps,
-                         seed=step_seed(generator), init_same_noise=config.init_same_noise)
-    selected, latents, noise = draws.selected, draws.latents0, draws.noise
-    device = latents.device
-    sigmas = sigmas.to(device)
-
-    def transition(x, step, **sample):
-        velocity = policy.velocity(x, step, {k: cond[k] for k in keys})
-        return sde_step(config.sde, latents=x, velocity=velocity, sigma=sigmas[step],
-                        sigma_next=sigmas[step + 1], eta=config.eta, sigma_max=sigmas[1],
-                        **sample)
-
-    # Sampling: every step of every sample, no autograd graph.
-    start = time.perf_counter()
-    with torch.no_grad():
-        x = latents
-        trajectory, log_probs = [x], torch.zeros(batch, num_steps, device=device)
-        for k in range(num_steps):
-            out = transition(x, torch.full((batch,), k, dtype=torch.long, device=device),
-                             noise=noise[k])
-            x = out.prev_sample
-            trajectory.append(x)
-            log_probs[:, k] = out.log_prob
-        trajectory = torch.stack(trajectory, dim=1)
-        rewards = check_rewards(reward_fn(x, cond), batch).to("cpu")  # (as the trainer's)
-        advantages = group_advantages(
-            rewards, group_ids_for(num_prompts, config.group_size),
-            AdvantageConfig(global_std=config.global_std, adv_clip_max=config.adv_clip_max))
-    synchronize(device)
-    rollout_seconds = time.perf_counter() - start
-
-    # FlowGRPO's update: for the j-th selected step of every sample, a forward with grad, the
-    # log-prob of the recorded transition, the PPO clipped loss (mean over the batch), and a
-    # backward; accelerate's gradient accumulation over the selected steps divides each loss
-    # by their number.
-    start = time.perf_counter()
-    rows = torch.arange(batch, device=device)
-    selected = selected.to(device)
-    num_selected = selected.shape[1]
-    adv = torch.clamp(advantages, -config.adv_clip_max, config.adv_clip_max).to(device)
-    errors = []  # (read once at the end: no sync per step)
-    for j in range(num_selected):
-        step = selected[:, j]
-        out = transition(trajectory[rows, step], step, prev_sample=trajectory[rows, step + 1])
-        ratio = torch.exp(out.log_prob - log_probs[rows, step])
-        errors.append((ratio.detach() - 1).abs().max())
-        unclipped = -adv * ratio
-        clipped = -adv * torch.clamp(ratio, 1.0 - config.clip_range, 1.0 + config.clip_range)
-        loss = torch.mean(torch.maximum(unclipped, clipped)) / num_selected
-        loss.backward()
-    ratio_error = torch.stack(errors).max().item() if errors else 0.0
-    grads = {}
-    for name, p in params:
-        grads[name] = torch.zeros_like(p) if p.grad is None else p.grad
-        p.grad = None
-    synchronize(device)
-    update_seconds = time.perf_counter() - start
-    return EagerResult(grads=grads, rewards=rewards, advantages=advantages,
-                       rollout_seconds=rollout_seconds, update_seconds=update_seconds,
-                       ratio_error=ratio_error)
 
 
 # -- the benchmark -----------------------------------------------------------------------------
@@ -485,73 +371,6 @@ def _eager_row(eager, eager_grad, base, base_grad) -> None:
                  ratio_to_eager_min=1.0, sync_collectives=0, sync_bytes=0)
     eager["grad_cosine"], eager["grad_rel_l2"] = _agreement(eager_grad, base_grad)
     eager["grad_cosine_to_eager"], eager["grad_rel_l2_to_eager"] = 1.0, 0.0
-
-
-def _times(value, width: int) -> str:
-    return f"{value:{width}.3f}" if value is not None else f"{'-':>{width}s}"
-
-
-def _percent(value) -> str:
-    return f"{value * 100:8.1f}%" if value is not None else f"{'-':>9s}"
-
-
-def format_table(report: dict) -> str:
-    """The report as text: one line per row, medians and minima over the rounds."""
-    cfg = report.get("config", {})
-    steps, selected = cfg.get("steps"), cfg.get("selected_steps")
-    by_compiler = report.get("by_compiler") or {cfg.get("compiler", "?"): report}
-    lines = [f"host allocator: {cfg['malloc']} (--malloc)"] if "malloc" in cfg else []
-    for compiler, part in by_compiler.items():
-        t = part["step_times"]
-        lines.append(f"{compiler}: ideal ratio (T*F0+S*(F+B))/((T-S)*F0+S*(F+B)) = "
-                     f"{part['ideal_ratio']:.3f}   (F0 {t['forward_nograd_s'] * 1e3:.1f} ms, "
-                     f"F {t['forward_s'] * 1e3:.1f} ms, B {t['backward_s'] * 1e3:.1f} ms per "
-                     f"step; T={steps}, S={selected})")
-    lines.append(f"{'row':20s} {'rollout s':>9s} {'update s':>8s} {'total s':>7s} {'min s':>6s} "
-                 f"{'ratio':>6s} {'r. min':>6s} {'of ideal':>9s} {'id. min':>9s} "
-                 f"{'x eager':>7s} {'x e. min':>8s} {'kept MiB':>8s} {'cosine':>10s} "
-                 f"{'rel L2':>8s} {'|ratio-1|':>9s} {'syncs':>5s} {'sync MiB':>8s}")
-    rows = [("eager", report["schedules"]["eager"])] if "eager" in report["schedules"] else []
-    for compiler, part in by_compiler.items():
-        rows += [(f"{compiler}/{name}", e) for name, e in part["schedules"].items()
-                 if name != "eager"]
-    for name, e in rows:
-        lines.append(
-            f"{name:20s} {e['rollout_s']:9.3f} {e['update_s']:8.3f} {e['total_s']:7.3f} "
-            f"{e['total_s_min']:6.3f} {e['ratio_to_recompute']:6.3f} "
-            f"{e['ratio_to_recompute_min']:6.3f} {_percent(e['fraction_of_ideal'])} "
-            f"{_percent(e['fraction_of_ideal_min'])} {_times(e['ratio_to_eager'], 7)} "
-            f"{_times(e['ratio_to_eager_min'], 8)} {e['peak_extra_bytes'] / 2**20:8.2f} "
-            f"{e['grad_cosine']:10.7f} {e['grad_rel_l2']:8.2e} "
-            f"{e.get('ratio_error', float('nan')):9.2e} {e.get('sync_collectives', 0):5d} "
-            f"{e.get('sync_bytes', 0) / 2**20:8.2f}")
-    lines.append("ratio: recompute's total / the row's (same compiler; eager: the first "
-                 "compiler's recompute); x eager: eager's total / the row's; cosine, rel L2: "
-                 "gradient against recompute's; |ratio-1|: the largest PPO ratio error of the "
-                 "on-policy update (ratio_error); syncs, sync MiB: gradient reductions per step "
-                 "and the bytes they carry per rank (data parallel)")
-    if cfg.get("parallel"):
-        lines.append(f"data parallel: {cfg.get('world_size')} ranks ({cfg['parallel']}, shared "
-                     f"layout, {cfg.get('prompts', 1)} prompt group(s), grad_sync="
-                     f"{cfg.get('grad_sync', 'auto')!r}"
-                     + (f", bucket_cap_mb={cfg.get('bucket_cap_mb')}" if cfg["parallel"] == "fsdp"
-                        else "") + "); no eager row (the eager FlowGRPO loop "
-                     "here is single-process); ideal ratio from the full batch's F0, F, B on "
-                     "one rank")
-    for compiler, part in by_compiler.items():
-        if part["best_lean_schedule"]:
-            lines.append(f"best lean schedule ({compiler}) by median "
-                         f"{part['best_lean_schedule']}: "
-                         f"{part['best_fraction_of_ideal'] * 100:.1f}% of the ideal ratio; "
-                         f"by min {part['best_lean_schedule_min']}: "
-                         f"{part['best_fraction_of_ideal_min'] * 100:.1f}%")
-    best = report.get("best_configuration")
-    if best and best.get("ratio_to_eager") is not None:
-        verdict = "faster" if best["ratio_to_eager"] > 1 else "slower"
-        lines.append(f"best configuration (median total): {best['compiler']}/{best['schedule']}, "
-                     f"{best['total_s']:.3f} s, {best['ratio_to_eager']:.3f}x eager "
-                     f"({verdict} than eager; by min {best['ratio_to_eager_min']:.3f}x)")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

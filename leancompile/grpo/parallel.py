@@ -116,10 +116,6 @@ class DataParallel:
     def distributed(self) -> bool:
         return self.parallel is not None and self.world_size > 1
 
-    def reset_counts(self) -> None:
-        self.sync_collectives = self.sync_bytes = 0
-        self.other_collectives = self.other_bytes = 0
-
     def _group_for(self, ranks: Sequence[int] | None):
         if ranks is None or len(ranks) == self.world_size:
             return self.group
