@@ -42,12 +42,6 @@ class GraphSnapshot:
         self._graph: fx.Graph | None = None
         self._code: str | None = None
 
-    @classmethod
-    def of_code(cls, code: str) -> "GraphSnapshot":
-        snap = cls.__new__(cls)
-        snap._structure, snap._graph, snap._code = None, None, code
-        return snap
-
     def __str__(self) -> str:
         if self._code is None:
             self._code = _graph_code(self.graph)
@@ -55,8 +49,7 @@ class GraphSnapshot:
 
     @property
     def graph(self) -> fx.Graph | None:
-        """The graph itself (None for a snapshot made from code only, e.g. a loaded report):
-        what ``leancompile.sim.simulate`` simulates."""
+        """The graph itself: what ``leancompile.sim.simulate`` simulates."""
         if self._graph is None and self._structure is not None:
             self._graph = self._structure.graph()
         return self._graph

@@ -1,16 +1,23 @@
 """What ``lean_compile(fn, schedule=...)`` is configured with and reports: ``StepConfig``,
-``StepStats``, ``StepReport``, ``ReuseWarning``; ``SCHEDULES``, the one list of LeanGRPO
-schedules."""
+``StepStats``, ``StepReport``, ``ReuseWarning``; ``SCHEDULE_CHOICES``, the schedules a user
+may pass (``SCHEDULES``, its earlier name)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 
-__all__ = ["SCHEDULES", "StepConfig", "StepStats", "StepReport", "ReuseWarning"]
+from ..passes.lean_grpo import SCHEDULES as CONCRETE_SCHEDULES
 
-SCHEDULES = ("auto", "retain", "reweight", "recompute")
-"""The LeanGRPO schedules, ``auto`` first (the default)."""
+__all__ = ["SCHEDULE_CHOICES", "SCHEDULES", "StepConfig", "StepStats", "StepReport",
+           "ReuseWarning"]
+
+SCHEDULE_CHOICES = ("auto", *CONCRETE_SCHEDULES)
+"""What ``lean_compile(schedule=...)`` takes: ``auto`` first (the default, which picks retain,
+reweight or nothing per call), then the concrete schedules of ``passes/lean_grpo.py``."""
+
+SCHEDULES = SCHEDULE_CHOICES
+"""The earlier name of ``SCHEDULE_CHOICES`` (``leancompile.lean.SCHEDULES``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,8 +73,8 @@ class StepConfig:
                 "defer_reductions=True with schedule='auto': auto picks retain or reweight per "
                 "call from this process's memory, so data-parallel ranks could run different "
                 "collectives; pick the schedule for all ranks (retain or reweight)")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}; use one of {SCHEDULES}")
+        if self.schedule not in SCHEDULE_CHOICES:
+            raise ValueError(f"schedule={self.schedule!r}; use one of {SCHEDULE_CHOICES}")
         if (self.sample_output is None) != (self.sample_arg is None):
             raise ValueError("sample_output and sample_arg go together: the output holding the "
                              "drawn sample and the keyword the update passes it back in")

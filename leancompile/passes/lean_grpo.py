@@ -43,6 +43,8 @@ log = logging.getLogger("leancompile")
 NAME = "lean_grpo"
 VERSION = 3
 SCHEDULES = ("recompute", "retain", "reweight")
+"""The concrete LeanGRPO schedules, what a plan or a kept call runs (``lean/config.py``
+``SCHEDULE_CHOICES`` adds ``auto``, which picks one of these per call)."""
 SITE = "kept for reuse"
 
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from .fx_values import node_val
+
 __all__ = ["accumulating"]
 
 _aten = torch.ops.aten
@@ -47,14 +49,10 @@ _VIEWS = {_aten.view.default, _aten._unsafe_view.default, _aten.permute.default,
           _aten.unsqueeze.default}
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
 def _matmul_under_views(node: fx.Node) -> fx.Node | None:
     """The ``bmm`` whose output ``node`` is, seen through copy-free views (each used once),
     when both are contiguous; else None."""
-    out = _val(node)
+    out = node_val(node)
     if not isinstance(out, torch.Tensor) or not out.is_contiguous() or len(node.users) != 1:
         return None
     cur = node
@@ -65,7 +63,7 @@ def _matmul_under_views(node: fx.Node) -> fx.Node | None:
         cur = src
     if cur is node or cur.op != "call_function" or cur.target is not _aten.bmm.default:
         return None
-    val = _val(cur)
+    val = node_val(cur)
     if not isinstance(val, torch.Tensor) or not val.is_contiguous() or \
             val.numel() != out.numel() or val.dtype != out.dtype:
         return None
@@ -98,11 +96,11 @@ def accumulating(gm: fx.GraphModule) -> tuple[fx.GraphModule, int]:
             continue
         mm = _matmul_under_views(out)  # decided on the original graph, where it is an output
         if mm is not None:
-            shape = list(_val(mm).shape)
+            shape = list(node_val(mm).shape)
             view = graph.call_function(_aten.view.default, (buf, shape))
             acc = graph.call_function(_aten.baddbmm_.default,
                                       (view, env[mm.args[0]], env[mm.args[1]]))
-            acc.meta["val"] = _val(mm)
+            acc.meta["val"] = node_val(mm)
             fused += 1
         else:
             graph.call_function(_aten.add_.Tensor, (buf, env[out]))

@@ -103,8 +103,9 @@ class Timeline:
                 "otherData": {"device": self.device, "simulated": True}}
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else node
+def _arg_value(arg):
+    """A node argument's fake value; any other argument (a constant) as it is."""
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
 
 
 # Ops torch has no FLOP formula for, counted with the formula of an op with the same leading
@@ -126,8 +127,8 @@ def _flops(node: fx.Node) -> float:
         formula = flop_registry.get(getattr(aten, like))
     if formula is None:
         return 0.0
-    args = fx.node.map_arg(node.args, _val)
-    kwargs = fx.node.map_arg(node.kwargs, _val)
+    args = fx.node.map_arg(node.args, _arg_value)
+    kwargs = fx.node.map_arg(node.kwargs, _arg_value)
     try:
         return float(concrete(formula(*args, out_val=node.meta.get("val"), **kwargs)))
     except Exception:  # noqa: BLE001 - a formula that cannot read these shapes counts 0
@@ -148,7 +149,7 @@ def node_cost(node: fx.Node, device: DeviceProfile, *, world_size: int | None = 
     out = tensors_of(node.meta.get("val"))
     ins = [t for a in node.all_input_nodes for t in tensors_of(a.meta.get("val"))]
     if name == "p2p_start":
-        send = tensors_of(_val(node.args[0]))
+        send = tensors_of(_arg_value(node.args[0]))
         nbytes = sum(map(tensor_bytes, send))
         return "comm", device.link_latency + nbytes / device.link_bandwidth, 0.0, nbytes
     if name == "p2p_probe":
