@@ -2,7 +2,8 @@
 Dynamo calls, dispatching each call by phase (outside the phases: as ``torch.compile`` would;
 rollout: keep what the schedule needs; update: reuse what was kept, or recompute with the
 reason). Its parts: row keys and matching (``keys.py``), Retain's gathered rows
-(``retain.py``), Reweight's per-row gradients (``reweight.py``)."""
+(``retain.py``), Reweight's per-row gradients (``reweight.py``, its vectorised backward
+``row_backward.py``), an update call served from the kept calls (``serve.py``)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,17 @@ import warnings
 from collections import Counter
 
 import torch
-import torch.fx as fx
 from torch import Tensor
 
 from ..capture import RandomOpInGraphError, StepGraphs
 from ..runtime.reuse import Reused, storage_bytes, values_digest
-from .graphs import (as_traced, batch_independent, cotangent_rows, empty_outputs,
-                     numel_per_row, output_shape, readable, sizes_of)
+from .config import ReuseWarning, StepStats
+from .graphs import as_traced, empty_outputs, numel_per_row, output_shape, readable, sizes_of
 from .keys import Keys
 from .retain import Retain
 from .reweight import Reweight
-from .config import ReuseWarning, StepStats
+from .row_backward import RowBackward
+from .serve import ServedUpdate
 from .state import KeptCall, buffer_bytes
 
 __all__ = ["GraphRuntime", "warn_little_reuse"]
@@ -47,14 +48,9 @@ class GraphRuntime(Keys, Retain, Reweight):
                                   if r.source == "<sample>"), None)
         self.trainable_sources = [graphs.roles[i].source for i in self.params]
         self._at_one: tuple | None = None
-        self._vmap_backward: fx.GraphModule | None = None
-        self._unbatchable_reason: str | None = None
-        self._exchanges: list[str] | None = None
-        self._row_backwards: dict = {}
-        """Reweight's compiled per-row backwards, by (number of rows, output, sizes)."""
-        self._inplace_matmuls = 0
-        self._deferred_outputs: set[int] = set()
-        self._unreduced: fx.GraphModule | None = None
+        self.row_backward = RowBackward(graphs, defer_reductions=step.config.defer_reductions,
+                                        compiler=step.options.compiler)
+        """Reweight's vectorised per-row backward of this graph (``row_backward.py``)."""
         backward = graphs.backward_aten
         self._tangent_metas = [] if backward is None else [
             n.meta.get("val") for n in backward.graph.nodes
@@ -145,7 +141,7 @@ class GraphRuntime(Keys, Retain, Reweight):
         inputs = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
 
         def backward_fn(cotangents):
-            grads = self._backward([saved[k] for k in g.bw_saved], outputs, cotangents)
+            grads = self.backward([saved[k] for k in g.bw_saved], outputs, cotangents)
             return [grads[i] for i in inputs]
 
         results = Reused.apply(backward_fn, outputs, *[args[i] for i in inputs])
@@ -166,7 +162,9 @@ class GraphRuntime(Keys, Retain, Reweight):
                             else t.contiguous())
         return tangents
 
-    def _backward(self, bw_saved, outputs, cotangents) -> list:
+    def backward(self, bw_saved, outputs, cotangents) -> list:
+        """The backward graph on ``bw_saved`` and the outputs' ``cotangents``: the gradient
+        of every input (None where none)."""
         tangents = self._tangents(outputs, cotangents)
         self.step._state.stats.backward_graphs_run += 1
         with torch.no_grad():
@@ -250,15 +248,6 @@ class GraphRuntime(Keys, Retain, Reweight):
                                              g.sample_key_inputs))
         return self._finish(outputs, args)
 
-    def scalar_outputs(self, outputs, batch: int) -> list[int]:
-        """Differentiable outputs holding one value per row: what reweight keeps gradients of
-        (by the traced shape: an output that does not depend on the batch is not one, even
-        when its length equals this call's batch size)."""
-        return [j for j in self.g.differentiable
-                if isinstance(outputs[j], Tensor) and outputs[j].numel() == batch
-                and outputs[j].dim() >= 1 and outputs[j].shape[0] == batch
-                and numel_per_row(self.g, j, batch) == 1]
-
     def _choose(self, args, batch, rows) -> tuple[str | None, str]:
         state, g = self.step._state, self.g
         schedule = state.schedule
@@ -315,142 +304,15 @@ class GraphRuntime(Keys, Retain, Reweight):
         return self._recompute(args, reason)
 
     def _reuse(self, args, assignment):
-        state, g = self.step._state, self.g
-        batch = len(assignment)
-        runs = self._runs(assignment)
-        kept_graph = runs[0][0].runtime
-        layouts = kept_graph.g.layouts
-        if any(k.runtime.g.bw_saved != kept_graph.g.bw_saved or k.runtime.g.layouts != layouts
-               for k, _ in runs):
-            return self._fallback(args, "rows kept by different graphs")
-        whole = all(rows == list(range(k.batch)) for k, rows in runs) and \
-            len({id(k) for k, _ in runs}) == len(runs)
-        row_local = bool(layouts.get("row_local"))
-        splittable = all(lay is None or lay == "symint" or hasattr(lay, "outer")
-                         for lay in layouts.get("outputs", [object()] * g.num_outputs))
-        if not (row_local or (whole and (len(runs) == 1 or splittable))):
-            reason = layouts.get("reason") or "the LeanGRPO stage did not run"
-            return self._fallback(args, f"rows regrouped, and {reason}")
-        outputs = []
-        kept_storages = {o.untyped_storage().data_ptr() for kept, _ in runs
-                         for o in kept.outputs if isinstance(o, Tensor)}
-        for j in range(g.num_outputs):
-            if g.output_types[j] == "input":
-                outputs.append(args[g.output_bases[j]])
-                continue
-            out = runs[0][0].outputs[j] if len(runs) == 1 and whole else \
-                kept_graph._gather_output(j, runs)
-            # A copy, never the kept tensor (or a view of it): an in-place edit of the served
-            # output (v.mul_(dt)) would rewrite the rollout's output the caller holds and what
-            # the backward reads.
-            if isinstance(out, Tensor) and out.untyped_storage().data_ptr() in kept_storages:
-                out = out.clone()
-            outputs.append(out)
-        for kept, row in assignment:
-            if kept.mode != "reweight" or kept.samples is None:
-                continue
-            claimed = state.claimed.setdefault(kept.samples[row], set())
-            if (id(kept), row) in claimed:
-                raise ValueError(
-                    f"reweight keeps one gradient buffer per sample (rollout(samples=...)): the "
-                    f"sum of its trained steps' gradients, each once, applied when the last one "
-                    f"arrives. This update call serves a step of sample {kept.samples[row]} a "
-                    "second time, which that buffer cannot give (and a step served twice "
-                    "leaves another never served). Use schedule='retain', or rollout without "
-                    "samples= (one buffer per row)")
-            claimed.add((id(kept), row))
-        for kept, rows in runs:
-            kept.used.update(rows)
-            if set(kept.rows) <= kept.used:
-                state.release(kept)
-        trainable = [i for i in self.params if args[i].requires_grad]
-        sources = [g.roles[i].source for i in trainable]
-        retain = [(i, a) for i, a in enumerate(assignment) if a[0].mode == "retain"]
-        reweight = [(i, a) for i, a in enumerate(assignment) if a[0].mode == "reweight"]
-        state.stats.mechanisms["per-row gradients" if not retain else
-                               "whole kept calls" if whole else "gathered rows"] += 1
-        state.stats.reused_calls += 1
-        state.stats.reused_rows += batch
-        out_layouts = layouts.get("outputs")
-
-        differentiable = set(g.differentiable)
-
-        def backward_fn(cotangents):
-            # An output the update's own graph does not differentiate (the sample passed back
-            # in: a constant there, differentiable in a rollout graph that drew it) brings no
-            # gradient, whatever the kept graph would make of its cotangent.
-            cotangents = [c if j in differentiable else None for j, c in enumerate(cotangents)]
-            total: dict[str, Tensor] = {}
-
-            def add(grads: dict):
-                for source, gr in grads.items():
-                    if gr is not None and source in sources:
-                        total[source] = gr if source not in total else total[source] + gr
-
-            if retain:
-                retain_runs = self._runs([a for _, a in retain])
-                update_rows = [i for i, _ in retain]
-                if whole:
-                    offset = 0
-                    for n, (kept, rows) in enumerate(retain_runs):
-                        mine = update_rows[offset:offset + len(rows)]
-                        offset += len(rows)
-                        # An output that does not depend on the batch is the same value in
-                        # every kept call: its cotangent goes into one backward, not each.
-                        cots = [None if n and batch_independent(out_layouts, j) else
-                                cotangent_rows(c, out_layouts, j, batch, mine)
-                                for j, c in enumerate(cotangents)]
-                        kg = kept.runtime
-                        grads = kg._backward([kept.saved[k] for k in kg.g.bw_saved],
-                                             kept.outputs, cots)
-                        add({kg.g.roles[i].source: grads[i] for i in kg.params})
-                else:
-                    kg = retain_runs[0][0].runtime
-                    bw_saved = kg._gathered_saved(retain_runs, len(update_rows))
-                    outs = [kg._gather_output(j, retain_runs) for j in range(g.num_outputs)]
-                    cots = [cotangent_rows(c, out_layouts, j, batch, update_rows)
-                            for j, c in enumerate(cotangents)]
-                    grads = kg._backward(bw_saved, outs, cots)
-                    add({kg.g.roles[i].source: grads[i] for i in kg.params})
-            if reweight:
-                scalars = set()
-                for _, (kept, _) in reweight:
-                    scalars |= set(kept.grads.get("scalars", ()))
-                    scalars |= {key[1] for key in kept.grads if isinstance(key, tuple)}
-                for j, c in enumerate(cotangents):
-                    if c is not None and j not in scalars and bool(torch.any(c != 0)):
-                        raise ValueError(
-                            f"reweight kept per-row gradients of the per-row scalar outputs "
-                            f"{sorted(scalars)}, but the update's loss also depends on output "
-                            f"{j} (shape {tuple(c.shape)}), which it cannot serve: use "
-                            "schedule='retain', or compute that term inside the step as a "
-                            "per-row scalar output")
-                for i, (kept, row) in reweight:
-                    weights = {q: (cotangents[q].reshape(batch, -1)[i].sum()
-                                   if cotangents[q] is not None else None) for q in scalars}
-                    if kept.samples is not None:
-                        add(self._merged(kept.samples[row], weights))
-                        continue
-                    for q, weight in weights.items():
-                        if weight is not None:
-                            add({source: None if gr is None else gr * weight
-                                 for source, gr in kept.grads[(row, q)].items()})
-            deferred = kept_graph._deferred_outputs if reweight else set()
-            for s, i in zip(sources, trainable):
-                if i in deferred and s in total:
-                    grad = total.pop(s)
-                    held = state.deferred.get(id(args[i]))
-                    # (the held sum is this runtime's own tensor: added to in place)
-                    state.deferred[id(args[i])] = (args[i], grad if held is None
-                                                   else held[1].add_(grad))
-                    if held is None:
-                        state.held_bytes += grad.numel() * grad.element_size()
-                        state.note_peak()
-            zero = self.step.config.zero_grads
-            return [total[s] if s in total else torch.zeros_like(args[i]) if zero else None
-                    for s, i in zip(sources, trainable)]
-
-        results = Reused.apply(backward_fn, outputs, *[args[i] for i in trainable])
+        """An update call served from the kept calls that hold its rows (``serve.py``), or
+        recomputed (``_fallback``) where they cannot serve it."""
+        served = ServedUpdate(runtime=self, args=args, assignment=assignment)
+        refused = served.refusal()
+        if refused:
+            return self._fallback(args, refused)
+        outputs = served.outputs()
+        served.claim()
+        results = Reused.apply(served.backward, outputs, *[args[i] for i in served.trainable])
         return self._finish(results, args)
 
     def _recompute(self, args, reason: str):
