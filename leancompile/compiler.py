@@ -59,7 +59,7 @@ def _source_hash() -> str:
     """Hash of the pass and pipeline sources, so an edited pass never reuses a cached graph."""
     here = Path(__file__).parent
     # The passes, what they trace into graphs (the runtime schedules), and the runner.
-    files = sorted({Path(s.module_file) for s in PASSES} | set((here / "passes").glob("*.py"))
+    files = sorted({Path(s.module_file) for s in PASSES} | set((here / "passes").rglob("*.py"))
                    | set((here / "runtime").glob("*.py")) | {here / "pipeline.py"})
     digest = hashlib.sha256()
     for path in files:

@@ -160,9 +160,6 @@ class Pipeline:
         return plan
 
 
-AUTO_CANDIDATES = OVERLAP_CANDIDATES
-"""What ``overlap="auto"`` chooses from for a whole graph (``options.OVERLAP_CANDIDATES``)."""
-
 SITE_CANDIDATES = {
     "all_gather": ("flash", "flash 2 chunks per rank", "slice 2", "slice 4"),
     "reduce_scatter": ("flash", "flash direct", "flash 2 chunks per rank",
@@ -177,7 +174,7 @@ query-split schedule only)."""
 def overlap_sites(gm: fx.GraphModule) -> dict[str, tuple[str, tuple]]:
     """The collectives the overlap pass can rewrite, in graph order: name -> (kind, a signature
     of what it exchanges and what reads or feeds it, alike for a layer's repeats)."""
-    from .passes.flash_all_to_all import ALL_TO_ALL
+    from .passes.flash.vocabulary import ALL_TO_ALL
 
     kinds = {torch.ops._c10d_functional.all_gather_into_tensor.default: "all_gather",
              torch.ops._c10d_functional.reduce_scatter_tensor.default: "reduce_scatter",
@@ -211,7 +208,7 @@ def check_all_rewritten(gm: fx.GraphModule, results: list[PassResult], *, phase:
     holds a collective after the passes, naming each with the reason its pass gave (or that no
     pass rewrites that kind of collective)."""
     from .passes.bucket_collectives import META_KEY as BUCKET_META
-    from .passes.flash_overlap import AUTO_KEPT_REASON
+    from .passes.flash.driver import AUTO_KEPT_REASON
 
     reasons = {site.node: f"{result.name}: {site.reason}" for result in results
                for site in result.skipped}

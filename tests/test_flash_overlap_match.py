@@ -19,8 +19,9 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from leancompile.passes.flash_overlap_match import (AG_SITE, RS_SITE, find_all_gather_matches,
-                                                    find_reduce_scatter_matches)
+from leancompile.passes.flash.all_gather_match import find_all_gather_matches
+from leancompile.passes.flash.reduce_scatter_match import find_reduce_scatter_matches
+from leancompile.passes.flash.vocabulary import AG_SITE, RS_SITE
 from leancompile.passes.result import PassResult
 from compat import TORCH_VERSION, all_gather_single, reduce_scatter_single
 
@@ -356,7 +357,7 @@ def test_skip_when_not_divisible_by_world_size_times_chunks(group):
     # overlap="slice": the divisor is its `chunks` option, and the reasons say so (they named
     # chunks_per_rank, which slice mode ignores).
     from leancompile.options import CompileOptions
-    from leancompile.passes.flash_overlap import flash_overlap_pass
+    from leancompile.passes.flash.driver import flash_overlap_pass
 
     result = flash_overlap_pass(gm, CompileOptions(compiler="aot_eager", overlap="slice",
                                                    chunks=2))
@@ -489,7 +490,7 @@ def test_pass_adds_the_guard_in_a_forward_graph_and_skips_in_a_backward_one(grou
     rewritten after adding its guard to the shape environment; the backward graph adds no
     guard (here the forward ran without the pass, so nothing proves it): skipped, reason."""
     from leancompile.options import CompileOptions
-    from leancompile.passes.flash_overlap import flash_overlap_pass
+    from leancompile.passes.flash.driver import flash_overlap_pass
 
     def f(x, w):
         return all_gather_single(x, 1, group) @ w
@@ -524,7 +525,7 @@ def test_all_reduce_only_graph_is_reported_without_a_warning(group, caplog):
     import logging
 
     from leancompile.options import CompileOptions
-    from leancompile.passes.flash_overlap import flash_overlap_pass
+    from leancompile.passes.flash.driver import flash_overlap_pass
 
     options = CompileOptions(compiler="aot_eager", overlap="flash")
 
@@ -570,8 +571,8 @@ def test_schedules_recorded_on_meta_equal_the_fake_tensor_recording(group, monke
     (a device read from a meta tensor is recorded as the real one)."""
     import copy
 
-    import leancompile.passes.flash_graph as fg
-    import leancompile.passes.flash_overlap as fo
+    import leancompile.passes.flash.driver as fo
+    import leancompile.passes.flash.splice as fg
     from leancompile.options import CompileOptions
 
     _, model = tp_sp_mlp()

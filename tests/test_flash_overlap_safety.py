@@ -695,7 +695,8 @@ def test_ranks_with_different_shapes_fail_at_once_not_hang(tmp_path, compiler):
 def _safety_worker(rank, world, init_file, out_dir):
     import warnings
 
-    import leancompile.passes.flash_overlap as fo
+    import leancompile.passes.flash.all_gather_rewrite as ag_rewrite
+    import leancompile.passes.flash.driver as driver
 
     os.environ.pop("LEANCOMPILE_ON_ERROR", None)  # the suite's re-raise, off for this test
     # The failures are injected in this process: no graph from the compile cache.
@@ -705,8 +706,8 @@ def _safety_worker(rank, world, init_file, out_dir):
     records = {}
     try:
         fn, params, make, _ = sp_mlp(world, "bsd")
-        original = {name: getattr(fo, name) for name in ("detach_metadata_readers",
-                                                         "_bind_symbolic_sizes")}
+        home = {"detach_metadata_readers": ag_rewrite, "bind_symbolic_sizes": driver}
+        original = {name: getattr(module, name) for name, module in home.items()}
 
         def fail_gather(nodes):  # the all-gather's rewrite, after its schedule is inlined
             if any("all_gather" in str(getattr(n, "target", "")) for n in nodes):
@@ -717,9 +718,9 @@ def _safety_worker(rank, world, init_file, out_dir):
             raise RuntimeError("injected graph failure")
 
         for name, patch in (("site", ("detach_metadata_readers", fail_gather)),
-                            ("graph", ("_bind_symbolic_sizes", fail_graph))):
+                            ("graph", ("bind_symbolic_sizes", fail_graph))):
             for compiler in ("aot_eager", "inductor"):
-                setattr(fo, *patch)
+                setattr(home[patch[0]], *patch)
                 try:
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always")
@@ -737,7 +738,7 @@ def _safety_worker(rank, world, init_file, out_dir):
                     except Exception as e:  # noqa: BLE001
                         records[f"{name}-{compiler}-raise"] = str(e)
                 finally:
-                    setattr(fo, patch[0], original[patch[0]])
+                    setattr(home[patch[0]], patch[0], original[patch[0]])
     finally:
         _dump(out_dir, rank, records)
         dist.destroy_process_group()

@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import bucket_collectives, canonicalize, flash_overlap, gather_at_use, lean_grpo
+from . import bucket_collectives, canonicalize, gather_at_use, lean_grpo
 from .bucket_collectives import bucket_collectives_pass
 from .gather_at_use import gather_at_use_pass
 from .canonicalize import canonicalize_pass
-from .flash_overlap import flash_overlap_pass
+from .flash import driver as flash_driver
+from .flash.driver import flash_overlap_pass
 from .lean_grpo import lean_grpo_pass
 from .result import PassResult, Site
 
@@ -47,9 +48,9 @@ PASSES: tuple[PassSpec, ...] = (
              doc="LeanGRPO (schedule=...): which outputs and saved tensors of a wrapped step "
                  "an update can reuse, row by row", module_file=lean_grpo.__file__,
              active=lambda options: options.schedule is not None),
-    PassSpec(name=flash_overlap.NAME, fn=flash_overlap_pass, version=flash_overlap.VERSION,
+    PassSpec(name=flash_driver.NAME, fn=flash_overlap_pass, version=flash_driver.VERSION,
              doc="FlashOverlap (overlap='flash'|'slice'): collectives around matmuls to P2P "
-                 "schedules", module_file=flash_overlap.__file__,
+                 "schedules", module_file=flash_driver.__file__,
              active=lambda options: options.overlap is not None),
     # After FlashOverlap (its schedules stay where they are), before the buckets (they then
     # follow the order of use).

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .flash_graph import SITE_META
+from .flash.splice import SITE_META
 from .result import COMMUNICATION_NAMESPACES, PassResult, is_pure_op, recompile
 
 __all__ = ["gather_at_use_pass", "find_gathers_to_move", "move_gather", "GatherMove",
