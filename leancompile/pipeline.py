@@ -21,7 +21,7 @@ from .report import GraphRecord, GraphSnapshot, graph_code, op_counts
 from .options import OVERLAP_CANDIDATES, CompileOptions
 from .passes import PASSES, PassSpec
 from .passes.result import PassResult, recompile_deferred
-from .runtime.vmap_ops import COLLECTIVE_NAMESPACES
+from .runtime.namespaces import COLLECTIVE_NAMESPACES
 
 __all__ = ["Pipeline", "DEBUG_ENV", "UnrewrittenCollectiveError", "check_all_rewritten"]
 

@@ -53,8 +53,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..runtime.namespaces import COMMUNICATION_NAMESPACES
 from .flash.splice import SITE_META
-from .result import COMMUNICATION_NAMESPACES, PassResult, is_pure_op, recompile
+from .result import PassResult, is_pure_op, recompile
 
 __all__ = ["gather_at_use_pass", "find_gathers_to_move", "move_gather", "GatherMove",
            "NAME", "VERSION", "peak_gathered_bytes"]

@@ -7,7 +7,10 @@ import contextvars
 import dataclasses
 from dataclasses import dataclass, field
 
-__all__ = ["Site", "PassResult", "recompile", "recompile_deferred", "format_bytes"]
+from ..runtime.namespaces import COMMUNICATION_NAMESPACES
+
+__all__ = ["Site", "PassResult", "recompile", "recompile_deferred", "format_bytes",
+           "COMMUNICATION_NAMESPACES"]
 
 _DEFERRED = contextvars.ContextVar("leancompile_recompile_deferred", default=False)
 
@@ -21,8 +24,6 @@ def recompile(gm) -> None:
         gm.recompile()
 
 
-COMMUNICATION_NAMESPACES = ("_c10d_functional", "c10d_functional", "leancompile")
-"""Op namespaces of collectives, their waits and the overlap pass's point-to-point steps."""
 
 
 def is_pure_op(node) -> bool:

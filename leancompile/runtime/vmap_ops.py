@@ -44,6 +44,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .namespaces import COLLECTIVE_NAMESPACES
+
 __all__ = ["COLLECTIVE_NAMESPACES", "VMAP_REPLACEMENTS", "agree_min", "vmap_friendly",
            "unbatchable_collectives", "dense_scatter_bases"]
 
@@ -125,10 +127,6 @@ VMAP_REPLACEMENTS = {
         torch.ops.leancompile.sdpa_cpu_backward.default,
 }
 """aten op -> the same op with a batching rule (same arguments)."""
-
-COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
-"""The op namespaces of functional collectives (also what ``passes/coalesced_sync.py`` and
-``passes/row_layout.py`` look for)."""
 
 
 def _is_collective(node) -> bool:
