@@ -206,9 +206,9 @@ def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
             raise Skip("nothing reads the gathered tensor")
         biased = [n for n in others if n.op == "call_function" and n.target in FLASH_MATMULS]
         if len(biased) == len(others):
-            raise Skip(f"the gathered tensor is only the bias of {node_names(biased)}, not a matmul "
-                       "operand: no matmul slices along it (an FSDP-style bias gather; it is "
-                       "small and left to the backend)")
+            raise Skip(f"the gathered tensor is only the bias of {node_names(biased)}, not a "
+                       "matmul operand: no matmul slices along it (an FSDP-style bias gather; "
+                       "it is small and left to the backend)")
         readers = ", ".join(f"{describe(n)}" for n in others[:3])
         raise Skip(f"consumer {readers} is not a matmul (mm/addmm)" if len(others) == 1 else
                    f"no consumer is a matmul (mm/addmm): {readers}"

@@ -32,9 +32,9 @@ rewritten next to the projection alone): dropout (other masks per slice), an att
 ``is_causal`` with unequal query and key lengths, attention kernels other than the CPU flash
 kernel (the one this project can test), and layouts between the attention and the matmul that
 do not keep query rows whole along the scattered dim. Here, a reader of the attention's outputs
-that cannot move after the schedule (``Unsupported``) also leaves the projection alone. With ``CompileOptions(attention_split=False)`` the site is
-Flash-RS on the projection alone (the comparison ``leancompile bench overlap --case attention``
-prints).
+that cannot move after the schedule (``Unsupported``) also leaves the projection alone. With
+``CompileOptions(attention_split=False)`` the site is Flash-RS on the projection alone (the
+comparison ``leancompile bench overlap --case attention`` prints).
 """
 
 from __future__ import annotations

@@ -202,7 +202,8 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool,
     via = tuple(reversed(chain))
 
     allowed = {*via, *reassembly, rs}
-    others = [user for n in (matmul, *via, *reassembly) for user in data_readers(n, keep_output=True)
+    others = [user for n in (matmul, *via, *reassembly)
+              for user in data_readers(n, keep_output=True)
               if user not in allowed]
     if others:
         others = sorted(set(others), key=graph_order(rs.graph).__getitem__)

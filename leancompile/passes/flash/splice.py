@@ -325,9 +325,10 @@ def users_before(nodes, anchor: fx.Node, order: dict, *, stop=frozenset(),
 
 
 def feed_moved_readers(graph: fx.Graph, match, scattered: fx.Node, out: fx.Node) -> None:
-    """For a reduce-scatter ``match``: readers of the wait besides the movedim back (``match.scattered``; e.g. the graph
-    output, when the partitioner saves the result in its moved layout) read the rewrite's
-    result ``out`` moved back, as a contiguous tensor like the collective's."""
+    """For a reduce-scatter ``match``: readers of the wait besides the movedim back
+    (``match.scattered``; e.g. the graph output, when the partitioner saves the result in its
+    moved layout) read the rewrite's result ``out`` moved back, as a contiguous tensor like the
+    collective's."""
     if scattered is match.wait:
         return
     graph.erase_node(scattered)

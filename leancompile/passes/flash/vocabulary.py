@@ -106,6 +106,7 @@ def find_sites(graph: fx.Graph, target, kind: str, match_one, result: PassResult
 
 
 def check_divisor(divisor, name: str) -> None:
+    """``ValueError`` unless ``divisor`` (the option ``name``) is an int >= 1."""
     if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
         raise ValueError(f"divisor ({name}) must be a positive int, got {divisor!r}")
 
@@ -115,6 +116,7 @@ def check_divisor(divisor, name: str) -> None:
 
 
 def only_wait(collective: fx.Node) -> fx.Node:
+    """The one ``wait_tensor`` reading ``collective``; ``Skip`` when anything else reads it."""
     users = data_readers(collective, keep_output=True)
     if len(users) == 1 and users[0].target is _c10d.wait_tensor.default:
         return users[0]
@@ -123,6 +125,7 @@ def only_wait(collective: fx.Node) -> fx.Node:
 
 
 def check_group(name, size) -> None:
+    """``Skip`` unless ``name`` is a live process group of ``size`` ranks."""
     try:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -172,6 +175,7 @@ def divisible(size, n: int, m: int, what: str, allow_guards: bool, name: str):
 
 
 def node_arg(node: fx.Node, index: int, name: str, default=None):
+    """Argument ``index`` of ``node``, or its keyword ``name``, or ``default``."""
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
@@ -185,12 +189,14 @@ def data_readers(node: fx.Node, *, keep_output: bool = False) -> list[fx.Node]:
 
 
 def matmul_operand(mm: fx.Node, which: str):
+    """Operand ``"A"`` (rows) or ``"B"`` (the weight side) of an mm/addmm node."""
     offset = 1 if mm.target is aten.addmm.default else 0
     return mm.args[offset + (0 if which == "A" else 1)]
 
 
 def matmul_operands(mm: fx.Node):
-    """(bias or None, A, B) of an mm/addmm node."""
+    """(bias or None, A, B) of an mm/addmm node; None for an addmm with alpha or beta != 1 (no
+    schedule slices a scaled product)."""
     if mm.target is aten.addmm.default:
         if mm.kwargs.get("beta", 1) != 1 or mm.kwargs.get("alpha", 1) != 1:
             return None
@@ -204,6 +210,7 @@ def node_val(node):
 
 
 def shape_of(node: fx.Node) -> tuple:
+    """``node``'s shape from its ``meta["val"]`` (ints or SymInts); ``Skip`` without one."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor):
         name = getattr(node, "name", node)
@@ -227,6 +234,7 @@ def split_pieces(split: fx.Node, n: int) -> list[fx.Node] | None:
 
 
 def is_slice_of(node: fx.Node, source: fx.Node, dim: int) -> bool:
+    """Whether ``node`` is a step-1 ``slice`` of ``source`` along ``dim``."""
     return (node.target is aten.slice.Tensor and node.args[0] is source
             and norm_dim(node_arg(node, 1, "dim", 0), len(shape_of(source))) == dim
             and node_arg(node, 4, "step", 1) == 1)
@@ -256,10 +264,12 @@ def cat_of(pieces: list[fx.Node]) -> fx.Node | None:
 
 
 def cat_dim(cat: fx.Node, shape: tuple) -> int:
+    """The dim ``cat`` joins along, non-negative (``shape``: its output's)."""
     return norm_dim(node_arg(cat, 1, "dim", 0), len(shape))
 
 
 def norm_dim(dim: int, ndim: int) -> int:
+    """``dim`` as a non-negative index into ``ndim`` dims."""
     return dim + ndim if dim < 0 else dim
 
 
@@ -352,6 +362,7 @@ def _hint(size):
 
 
 def descendants(node: fx.Node) -> set[fx.Node]:
+    """Every node that reads ``node``, directly or through others."""
     seen, stack = set(), [node]
     while stack:
         for user in stack.pop().users:
@@ -367,6 +378,7 @@ def is_backward_graph(graph: fx.Graph) -> bool:
 
 
 def is_transpose(node) -> bool:
+    """Whether ``node`` transposes a matrix (``t``, ``transpose``, ``permute([1, 0])``)."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return False
     if node.target in (aten.t.default, aten.transpose.int):
@@ -399,10 +411,12 @@ def swap_dim(node: fx.Node) -> int | None:
 
 
 def graph_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Node -> its position in ``graph``."""
     return {node: i for i, node in enumerate(graph.nodes)}
 
 
 def unique_in_order(nodes) -> tuple[fx.Node, ...]:
+    """``nodes`` without repeats, in graph order."""
     seen: dict[fx.Node, None] = {}
     for node in nodes:
         seen.setdefault(node, None)
@@ -413,6 +427,7 @@ def unique_in_order(nodes) -> tuple[fx.Node, ...]:
 
 
 def describe(node: fx.Node) -> str:
+    """``node`` as a skip reason names it: ``"aten.relu.default at relu"``."""
     if node.op == "output":
         return "the graph output (saved for backward or returned)"
     if node.op == "placeholder":
@@ -423,10 +438,12 @@ def describe(node: fx.Node) -> str:
 
 
 def node_names(nodes) -> str:
+    """The nodes' names, comma-separated (``"no node"`` for none)."""
     return ", ".join(n.name for n in nodes) or "no node"
 
 
 def round_up(size, k: int) -> str:
+    """``size`` rounded up to a multiple of ``k``, for a message."""
     if isinstance(size, int):
         return str(-(-size // k) * k)
     return f"a multiple of {k}"
