@@ -1,8 +1,8 @@
 """Diffusion GRPO pieces (LeanGRPO): SDE transitions with log-probs, group advantages,
 timestep selection, rewards, and the trainer that runs compiler-produced schedules.
 
-Import what you use from the modules (``leancompile.grpo.trainer``, ``.sde``, ``.rewards``,
-...); the names below are the ones most code needs.
+Import what you use from the modules (``leancompile.grpo.trainer``, ``.config``, ``.sde``,
+``.rewards``, ...); the names below are the ones most code needs.
 """
 
 from .advantages import AdvantageConfig, group_advantages, group_ids_for
@@ -10,7 +10,9 @@ from .rewards import (TargetColorReward, check_rewards, decode_latents, decoded,
                       jpeg_compressibility, jpeg_incompressibility)
 from .sde import SDE_KINDS, SDEStep, kl_to_reference, sde_step
 from .timesteps import TimestepSelection, same_noise_latents, select_timesteps
-from .trainer import GradResult, GRPOConfig, GRPOTrainer, OffPolicyWarning, Rollout
+from .config import GRPOConfig
+from .results import GradResult, OffPolicyWarning, Rollout
+from .trainer import GRPOTrainer
 
 __all__ = [
     "GRPOConfig", "GRPOTrainer", "GradResult", "Rollout", "OffPolicyWarning",

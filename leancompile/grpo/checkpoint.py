@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from .fsdp import full_shapes
+
 __all__ = ["latest_checkpoint", "load_into", "save"]
 
 _FORMAT = 1
@@ -83,8 +85,9 @@ def _write(trainer, folder: Path) -> None:
         peft_model = _peft_model(trainer.policy)
         if peft_model is not None:
             peft_model.save_pretrained(str(folder / "adapter"))
-    if trainer._reference is not None:
-        save_file({n: t.detach().contiguous().cpu() for n, t in trainer._reference.items()},
+    if trainer.reference is not None:
+        save_file({n: t.detach().contiguous().cpu()
+                   for n, t in trainer.reference.weights.items()},
                   str(folder / "reference.safetensors"))
     if trainer.optimizer is not None and not sharded:
         torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
@@ -92,9 +95,10 @@ def _write(trainer, folder: Path) -> None:
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     torch.save(rng, folder / "rng.pt")
+    shapes = full_shapes(trainer.policy)
     meta = {"format": _FORMAT, "step": trainer.step_count,
             "config": dataclasses.asdict(trainer.config),
-            "trainable": {n: list(trainer._full_shapes()[n]) for n in trainer.trainable},
+            "trainable": {n: list(shapes[n]) for n in trainer.trainable},
             "sharded": sharded,
             "world_size": trainer.parallel.world_size,
             "parallel": trainer.parallel.parallel}
@@ -127,7 +131,7 @@ def save(trainer, run_dir) -> Path:
     final = run_dir / name
     par = trainer.parallel
     # A sequence-parallel policy: every rank of its group holds the same state; one writes.
-    sequence = trainer._sequence_sync
+    sequence = trainer.sequence_sync
     writer = par.rank == 0 and (sequence is None or sequence.rank == 0)
     tmp = None
     if writer:
@@ -197,7 +201,8 @@ def load_into(trainer, path) -> Path:
         raise ValueError(f"{folder}: checkpoint format {meta.get('format')}, this version "
                          f"reads {_FORMAT}")
     params = dict(trainer.policy.named_parameters())
-    want = {n: list(trainer._full_shapes()[n]) for n in trainer.trainable}
+    shapes = full_shapes(trainer.policy)
+    want = {n: list(shapes[n]) for n in trainer.trainable}
     if meta["trainable"] != want:
         missing = sorted(set(meta["trainable"]) ^ set(want))[:5]
         raise ValueError(f"{folder} was saved from a policy with other trainable parameters "
@@ -214,9 +219,10 @@ def load_into(trainer, path) -> Path:
         with torch.no_grad():
             for n in trainer.trainable:
                 params[n].copy_(saved[n])
-    if (folder / "reference.safetensors").is_file() and trainer._reference is not None:
+    if (folder / "reference.safetensors").is_file() and trainer.reference is not None:
+        weights = trainer.reference.weights
         for n, t in load_file(str(folder / "reference.safetensors")).items():
-            trainer._reference[n] = t.to(trainer._reference[n].device)
+            weights[n] = t.to(weights[n].device)
     if trainer.optimizer is not None and trainer.sharding is None:
         if not (folder / "optimizer.pt").is_file():
             raise ValueError(f"{folder} holds no optimizer state (saved without an optimizer)")

@@ -34,7 +34,7 @@ instead, out of reach of any graph pass: a model already wrapped in it can be tr
 
 Because the collectives are in every call of the step, every rank must make the same calls in
 the same order: the trainer pads each rank's calls to the union of all ranks' calls with a
-stand-in row whose loss is times zero (``GRPOTrainer._fsdp_padding``) and compares the planned
+stand-in row whose loss is times zero (``leancompile/grpo/fsdp_padding.py``) and compares the planned
 calls across the ranks before each rollout.
 """
 
@@ -46,7 +46,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["ParameterSharding", "GatheredPolicy"]
+from .policy_step import Velocity
+
+__all__ = ["ParameterSharding", "GatheredPolicy", "sharding_of", "full_shapes",
+           "shard_trainable"]
 
 
 def _owner(module: nn.Module, name: str):
@@ -138,15 +141,6 @@ class ParameterSharding:
         return out
 
 
-class _Velocity(nn.Module):
-    def __init__(self, policy: nn.Module):
-        super().__init__()
-        self.policy = policy
-
-    def forward(self, latents, step_index, conditions):
-        return self.policy.velocity(latents, step_index, conditions)
-
-
 class GatheredPolicy(nn.Module):
     """``policy`` as the step sees it under ``parallel="fsdp"``: ``velocity`` gathers the
     sharded parameters inside the traced call and runs the policy on them."""
@@ -155,7 +149,7 @@ class GatheredPolicy(nn.Module):
         super().__init__()
         self.policy = policy
         self.sharding = sharding
-        self._call = [_Velocity(policy)]  # not a submodule: the parameters are the policy's
+        self._call = [Velocity(policy)]  # not a submodule: the parameters are the policy's
 
     @property
     def sigmas(self):
@@ -166,3 +160,44 @@ class GatheredPolicy(nn.Module):
                 for name, p in self.policy.named_parameters() if name in self.sharding.shapes}
         return torch.func.functional_call(self._call[0], full, (latents, step_index,
                                                                 conditions), strict=False)
+
+
+def sharding_of(policy: nn.Module) -> ParameterSharding | None:
+    """The ``ParameterSharding`` a ``parallel="fsdp"`` trainer made of ``policy``'s trainable
+    parameters (None: they are whole)."""
+    return getattr(policy, "_leancompile_sharding", None)
+
+
+def full_shapes(policy: nn.Module) -> dict[str, torch.Size]:
+    """Every parameter's full shape (a sharded one's before it was split)."""
+    held = sharding_of(policy)
+    return {n: held.shapes[n] if held is not None and n in held.shapes else p.shape
+            for n, p in policy.named_parameters()}
+
+
+def shard_trainable(policy: nn.Module, optimizer, parallel) -> ParameterSharding:
+    """``parallel="fsdp"``: replace the trainable parameters of ``policy`` by this rank's
+    shards over ``parallel``'s group (a ``DataParallel``), and point a fresh optimizer at them
+    (it must not have taken a step yet: its state would be for the full parameters). A policy
+    an earlier trainer sharded keeps its shards."""
+    before = dict(policy.named_parameters())
+    if optimizer is not None and len(optimizer.state):
+        raise ValueError(
+            "parallel='fsdp' shards the policy's parameters when the trainer is built, but "
+            "the optimizer already holds state for the full parameters; build the trainer "
+            "with a fresh optimizer (or load a checkpoint after building it)")
+    held = sharding_of(policy)
+    if held is not None:  # a second trainer on a policy an earlier one sharded
+        if (held.group, held.world_size) != (parallel.group, parallel.world_size):
+            raise ValueError("the policy is already sharded over another process group; "
+                             "build the trainer with that group (process_group=...)")
+        return held
+    sharding = ParameterSharding(policy, parallel.group, rank=parallel.rank,
+                                 world_size=parallel.world_size)
+    policy._leancompile_sharding = sharding
+    after = dict(policy.named_parameters())
+    swap = {id(before[n]): after[n] for n in sharding.shapes}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]
+    return sharding

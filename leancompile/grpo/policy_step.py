@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
 import torch.nn as nn
 
 from .sde import SDE_KINDS, kl_to_reference, sde_step
 
-__all__ = ["PolicyStep"]
+__all__ = ["PolicyStep", "Velocity", "call_args"]
 
 
 class PolicyStep(nn.Module):
@@ -60,3 +61,26 @@ class PolicyStep(nn.Module):
             return out.prev_sample, out.log_prob, kl_to_reference(out.mean, mean_ref,
                                                                   out.kl_std)
         return out.prev_sample, out.log_prob
+
+
+def call_args(x: torch.Tensor, k: int, cond_list, local: torch.Tensor, *,
+              with_kl: bool) -> list:
+    """The positional arguments of a ``PolicyStep`` call on the rows ``local`` of ``x`` at step
+    ``k`` (``with_kl``: a placeholder reference mean last, filled in for trained calls)."""
+    step = torch.full((local.numel(),), k, dtype=torch.long, device=x.device)
+    args = [x[local], step] + [c[local] for c in cond_list]
+    if with_kl:
+        args.append(torch.zeros_like(args[0]))
+    return args
+
+
+class Velocity(nn.Module):
+    """``policy.velocity`` as a module's forward, for ``torch.func.functional_call`` with other
+    weights (the KL's reference; the gathered parameters under ``parallel="fsdp"``)."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, latents, step_index, conditions):
+        return self.policy.velocity(latents, step_index, conditions)
