@@ -596,12 +596,22 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.virtualized import V
 
+        from torch._dynamo.utils import counters
+
         fakes = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"]
         fake_mode = next((v.fake_mode for v in fakes if hasattr(v, "fake_mode")), None)
+        hits = counters["inductor"]["fxgraph_cache_hit"]
         with V.set_fake_mode(fake_mode), inductor_config.patch(
-                post_grad_custom_pre_pass=graph_pass, fx_graph_cache=False):
+                post_grad_custom_pre_pass=graph_pass):
             out = compile_fx_inner(graph, fakes, is_backward=phase == "backward",
                                    is_inference=phase == "inference")
+        if counters["inductor"]["fxgraph_cache_hit"] > hits:
+            # Inductor's FX graph cache served the code (its key covers the graph and our
+            # pass's uuid: options, sources, rank), so our pipeline did not run: run it here on
+            # the same graph, as Inductor would have (dead code out first), for what it records
+            # (the report, the LeanGRPO stage's row layouts) and not for the code.
+            graph.graph.eliminate_dead_code()
+            graph_pass(graph.graph, is_inference=phase == "inference")
         return lambda args: out(list(args))
 
     run_forward = compiled(forward, None, "forward")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import leancompile
+from leancompile.step import StepConfig
 from leancompile.capture import RandomOpInGraphError
 from leancompile.demos.user_loops import LoopConfig, dance_grpo_loop, flow_grpo_loop, make_step
 from models import ToyFlowPolicy, tiny_flux_policy
@@ -226,9 +227,9 @@ def test_fallback_raise_refuses_a_local_recompute_but_not_a_parameter_change():
     stats = _guard("changed", {"fallback": "raise"}, change_params=True)
     assert stats.forwards_run == 6
     with pytest.raises(ValueError, match="fallback='nope'"):
-        leancompile.step.StepConfig(fallback="nope")
+        StepConfig(fallback="nope")
     with pytest.raises(ValueError, match="defer_reductions=True with schedule='auto'"):
-        leancompile.step.StepConfig(schedule="auto", defer_reductions=True)
+        StepConfig(schedule="auto", defer_reductions=True)
 
 
 def test_dropout_is_refused_with_the_fix_or_recomputed():
