@@ -165,11 +165,22 @@ class LeanGraphPass(_PassBase):
             "leancompile": __version__,
             "passes": [(s.name, s.version) for s in PASSES],
             "source": _source_hash(),
-            "options": self.options.cache_key(),
+            "options": _code_options(self.options),
             "rank": current_rank(),
             "previous": str(previous_uuid),
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _code_options(options: CompileOptions) -> dict:
+    """The options as far as they change the code Inductor generates: the LeanGRPO stage plans
+    reuse without changing the graph, so the graphs of ``schedule="retain"``, ``"reweight"``,
+    ``"auto"`` and ``"recompute"`` share cache entries (a graph compiled without a schedule keeps
+    its own: the stage does not run there)."""
+    key = options.cache_key()
+    if key["schedule"] is not None:
+        key["schedule"] = "planned"
+    return key
 
 
 _unbound: "collections.OrderedDict[str, Report]" = collections.OrderedDict()

@@ -523,3 +523,32 @@ def test_a_one_row_call_of_an_untrained_row_says_inputs_not_seen():
         step(xs[1][:1]).sum().backward()  # not trained
     assert step.stats.reused_calls == 1
     assert dict(step.stats.recomputed) == {"row 0: inputs not seen in the rollout": 1}
+
+
+def test_inductor_cache_hit_plans_and_computes_as_a_fresh_compile(base, tmp_path, monkeypatch):
+    """The wrapper's Inductor graphs go through Inductor's FX graph cache (the suite and users
+    re-compile the same step often). A hit skips Inductor's post-grad passes, ours included:
+    the wrapper then runs the pipeline on the same graph for its report and row layouts. A
+    second step (another schedule: the key does not hold it) served from the cache plans,
+    reports and computes as the first, which compiled."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    ref = _eager(base)
+    seen = []
+    for schedule in ("retain", "auto"):
+        torch._dynamo.reset()
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        with torch._inductor.config.patch(fx_graph_cache=True):
+            got, step = _wrapped(base, "inductor", schedule)
+        seen.append((counters["inductor"]["fxgraph_cache_hit"] - hits, step))
+        assert step.stats.mechanisms == {"gathered rows": 6}, step.stats.summary()
+        assert _rel(got, ref) <= 1e-6, (schedule, _rel(got, ref))
+    (first_hits, first), (second_hits, second) = seen
+    assert first_hits == 0 and second_hits >= 3, (first_hits, second_hits)  # fw, bw, inference
+
+    def records(step):
+        return [(g.phase, [(p.name, len(p.rewritten), len(p.skipped)) for p in g.passes])
+                for r in step.reports for g in r.graphs]
+    assert records(second) == records(first) and any(
+        name == "lean_grpo" and n for _, passes in records(first) for name, n, _ in passes)
