@@ -127,7 +127,7 @@ class BenchConfig:
             raise ValueError(f"parallel={self.parallel!r}; use 'ddp' or 'fsdp'")
         if self.prompts < 1:
             raise ValueError(f"prompts={self.prompts} must be >= 1")
-        from ..grpo.trainer import GRAD_SYNCS
+        from ..grpo.config import GRAD_SYNCS
 
         if self.grad_sync not in GRAD_SYNCS:
             raise ValueError(f"grad_sync={self.grad_sync!r}; use one of {GRAD_SYNCS}")
@@ -391,7 +391,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"),
                    help="under torchrun: replicated (ddp) or sharded (fsdp) parameters")
-    from ..grpo.trainer import GRAD_SYNCS
+    from ..grpo.config import GRAD_SYNCS
 
     p.add_argument("--grad-sync", default="auto", choices=GRAD_SYNCS,
                    help="under torchrun: Reweight's gradient reductions once per round of "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..passes.bucket_collectives import NAME as BUCKETS, merged_counts
-from ..passes.result import COMMUNICATION_NAMESPACES
+from ..runtime.namespaces import COMMUNICATION_NAMESPACES
 
 __all__ = ["backward_reductions", "gather_order"]
 
