@@ -1,0 +1,123 @@
+"""What ``capture_graph`` returns (``StepGraphs``): the forward, backward and inference graphs
+of one Dynamo graph, compiled, with their calling conventions and what the LeanGRPO stage found.
+
+Its three functions take the flat inputs Dynamo passes (``roles``) as a list::
+
+    run_forward(args)                        -> (*outputs, *saved)
+    run_backward([saved[i] for i in bw_saved] + cotangents)
+                                             -> one gradient (or None) per input
+    run_inference(args)                      -> outputs
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.fx as fx
+
+from .fingerprint import structural_hashes
+from .roles import InputRole
+from .trace import aot_trace
+
+__all__ = ["StepGraphs"]
+
+
+@dataclass(kw_only=True)
+class StepGraphs:
+    """The forward, backward and inference graphs of one Dynamo graph, after the pass
+    pipeline, with their calling conventions and what the LeanGRPO stage found.
+
+    ``run_forward(args) -> outputs + saved``, ``run_backward(saved_for_bw + cotangents) ->
+    one gradient (or None) per input`` and ``run_inference(args) -> outputs`` take the flat
+    inputs Dynamo passes (``roles``) as a list."""
+
+    roles: list[InputRole]
+    num_outputs: int
+    output_types: list[str]
+    """Per user output: ``fresh``, ``input`` (the input at ``output_bases[i]`` itself) or
+    ``view`` (a view of that input)."""
+    output_bases: list[int | None]
+    differentiable: list[int]
+    """The outputs whose cotangents the backward takes, in order."""
+    saved_names: list[str]
+    bw_saved: list[int]
+    """For each saved value the backward takes, in its order, the index into ``saved``."""
+    run_forward: Callable | None
+    run_backward: Callable | None
+    run_inference: Callable
+    forward: fx.GraphModule | None
+    backward: fx.GraphModule | None
+    inference: fx.GraphModule
+    batch_symbol: object = None
+    layouts: dict = field(default_factory=dict)
+    """From the LeanGRPO stage: ``outputs`` and ``saved`` layouts (``RowLayout``, ``Mixed``,
+    ``None`` for batch-independent, ``"symint"``) and ``row_local`` (bool) with ``reason``."""
+    saved_meta: list = field(default_factory=list)
+    """Per saved value, its fake value (shapes with the batch symbol)."""
+    fingerprint: tuple = ()
+    """Hashes of what each output computes from the inputs' roles (inference graph)."""
+    sample_fingerprint: tuple = ()
+    """The same with ``sample_output`` treated as an input (see ``leancompile/lean``)."""
+    key_inputs: list[int] = field(default_factory=list)
+    """Inputs the outputs depend on (parameters excluded)."""
+    sample_key_inputs: list[int] = field(default_factory=list)
+    """The same for ``sample_fingerprint`` (what the outputs but the sample depend on)."""
+    random_ops: list[str] = field(default_factory=list)
+    report: object = None
+    regather: object = None
+    """``RegatherFound`` (``passes/regather_params.py``) when captured with
+    ``reshard_after_forward=True``: the parameters' gathers the backward runs again."""
+    dynamo_graph: fx.GraphModule | None = None
+    """The Dynamo graph itself (``fingerprints_at``)."""
+    sample_output: int | None = None
+    sample_grad_outputs: list[int] = field(default_factory=list)
+    """Outputs whose gradient flows through the drawn sample (``sample_gradient_outputs``,
+    ``fingerprint.py``): an update passing the sample back cannot reuse this graph's forward."""
+    kept_roots: dict = field(default_factory=dict)
+    """Storages the saved tensors live in that are not inputs (or views of inputs): name ->
+    bytes (an int, or a sympy expression of ``batch_symbol``)."""
+    backward_aten: fx.GraphModule | None = None
+    """The backward graph as aten ops that run eagerly (after the pipeline with ``aot_eager``;
+    before Inductor's lowering otherwise): what batched Reweight runs under ``torch.func.vmap``
+    (one batch-1 backward per row, vectorised)."""
+    traced_frozen: list[int] = field(default_factory=list)
+    """Tensor inputs that did not require grad when the graphs were traced: the backward
+    computes no gradient for them (``leancompile/lean`` refuses a call where one now does)."""
+    _kept_bytes_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """``kept_bytes`` by batch (substituting into sympy expressions costs milliseconds, and the
+    trainer and the wrapper ask on every call)."""
+
+    def kept_bytes(self, batch: int) -> int:
+        """Bytes a forward's saved tensors hold beyond its inputs, for ``batch`` rows: each
+        storage once (a view costs nothing of its own)."""
+        total = self._kept_bytes_at.get(batch)
+        if total is not None:
+            return total
+        total = 0
+        for nbytes in self.kept_roots.values():
+            if not isinstance(nbytes, int):  # a sympy expression of the batch size
+                nbytes = nbytes.subs({self.batch_symbol: batch})
+            total += int(nbytes)
+        self._kept_bytes_at[batch] = total
+        return total
+
+    @property
+    def trainable(self) -> bool:
+        return self.run_backward is not None
+
+    def fingerprints_at(self, args) -> tuple[tuple, tuple]:
+        """(fingerprint, sample fingerprint) of this graph traced with concrete ``args`` (real
+        tensors): what a graph Dynamo specialised for those sizes (a batch of 1) computes, to
+        compare with one."""
+        from torch._guards import TracingContext, tracing
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with tracing(TracingContext(FakeTensorMode(allow_non_fake_inputs=True))):
+            captured = aot_trace(self.dynamo_graph, args, {"enable_autograd_cache": False})
+        graph = captured["inference"][0]
+        fingerprint, _ = structural_hashes(graph, self.roles)
+        sample = ()
+        if self.sample_output is not None:
+            sample, _ = structural_hashes(graph, self.roles, cut=self.sample_output)
+        return fingerprint, sample
