@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import bucket_collectives, canonicalize, gather_at_use, lean_grpo
+from . import bucket_collectives, canonicalize, flash_overlap, gather_at_use, lean_grpo
 from .bucket_collectives import bucket_collectives_pass
 from .gather_at_use import gather_at_use_pass
 from .canonicalize import canonicalize_pass
@@ -20,7 +20,10 @@ from .lean_grpo import lean_grpo_pass
 from .result import PassResult, Site
 
 __all__ = ["PassSpec", "PASSES", "pass_names", "canonicalize_pass", "flash_overlap_pass",
-           "lean_grpo_pass", "gather_at_use_pass", "bucket_collectives_pass", "PassResult", "Site"]
+           "lean_grpo_pass", "gather_at_use_pass", "bucket_collectives_pass", "PassResult", "Site",
+           "flash_overlap"]
+# (flash_overlap: the old import path of flash/, readable as leancompile.passes.flash_overlap
+# as before)
 
 
 @dataclass(frozen=True, kw_only=True)
