@@ -42,7 +42,7 @@ match when the update graph computes, from the sample, exactly what the rollout 
 from the value it drew (the rollout graph's sample output is hashed as an input). The drawn
 sample must reach the other outputs detached (FlowGRPO's ``prev_sample.detach()`` in the
 log-prob): the update holds the sample it passes back constant, so a rollout graph whose
-gradients flow through the sample is refused (``capture._sample_gradient_outputs``).
+gradients flow through the sample is refused (``capture/fingerprint.py``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from ..compiler import LeanBackend, LeanGraphPass
 from ..options import CompileOptions
 from ..passes.lean_grpo import reweight_rows_per_backward
 from ..report import Report, record_report
-from .config import SCHEDULES, StepConfig, StepReport, StepStats
+from .config import SCHEDULE_CHOICES, StepConfig, StepReport, StepStats
 from .graphs import numel_per_row
 from .runtime import GraphRuntime, warn_little_reuse
 from .state import StepState, TrainSpec, free_memory_bytes, sample_ids
@@ -256,8 +256,8 @@ class LeanStep:
         state = self._state
         if state.phase is not None:
             raise RuntimeError(f"rollout() inside {state.phase}(): the phases do not nest")
-        if schedule is not None and schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULES}")
+        if schedule is not None and schedule not in SCHEDULE_CHOICES:
+            raise ValueError(f"schedule={schedule!r}; use one of {SCHEDULE_CHOICES}")
         if schedule == "auto" and self.config.defer_reductions:
             raise ValueError("rollout(schedule='auto') with defer_reductions=True: ranks could "
                              "pick different schedules per call; pass retain or reweight")

@@ -25,7 +25,7 @@ class Keys:
             if i == self.sample_input or i in self.batch_symint:
                 continue
             role, value = self.g.roles[i], args[i]
-            if self._rows_of_input(i):
+            if self.rows_of_input(i):
                 parts.append((role.source, row_hashes(value, batch)))
             elif isinstance(value, Tensor):
                 parts.append((role.source, [whole_hash(value)] * batch))
@@ -46,8 +46,8 @@ class Keys:
             if k is None:
                 return False
             mine, theirs = args[i], kept.args[k]
-            if self._rows_of_input(i):
-                n = self._rows_of_input(i)
+            if self.rows_of_input(i):
+                n = self.rows_of_input(i)
                 if not torch.equal(mine[row * n:(row + 1) * n],
                                    theirs[kept_row * n:(kept_row + 1) * n]):
                     return False
@@ -61,13 +61,15 @@ class Keys:
             j = kept.runtime.step.config.sample_output
             sample = kept.outputs[j]
             mine = args[self.sample_input]
-            rows = mine.shape[0] // self._batch(args)
+            rows = mine.shape[0] // self.batch_of(args)
             if not torch.equal(mine[row * rows:(row + 1) * rows],
                                sample[kept_row * rows:(kept_row + 1) * rows]):
                 return False
         return True
 
-    def _match(self, args):
+    def match_kept(self, args):
+        """(per row of this update call, the kept call and row that serve it; "") or (None,
+        why the kept calls cannot serve it)."""
         state, g = self.step._state, self.g
         if not state.kept:
             return None, state.stale or "nothing kept (not a trained rollout call, or already " \
@@ -75,7 +77,7 @@ class Keys:
         if any(isinstance(a, Tensor) and a.requires_grad for i, a in enumerate(args)
                if g.roles[i].kind != "param"):
             return None, "an input of the update call requires grad"
-        versions = self._versions(args)
+        versions = self.param_versions(args)
         if state.digest is not None and not torch.equal(values_digest(state.digest[0]),
                                                         state.digest[1]):
             counted = any(k.versions.get(s, v) != v for k in state.kept
@@ -86,7 +88,7 @@ class Keys:
                 "their values, not their version counters: written through .data outside an "
                 "optimizer") + "): kept state is stale"
             return None, state.stale
-        batch = self._batch(args)
+        batch = self.batch_of(args)
         fingerprint = self._fingerprint_for(args, batch)
         keys = self.keys(args, batch, fingerprint)
         assignment = []
@@ -133,22 +135,27 @@ class Keys:
         for kept in state.kept:
             runtime = kept.runtime
             if g.fingerprint in (runtime.g.fingerprint, runtime.g.sample_fingerprint):
-                self._rows_like = {r.source: r.batch_rows for r in runtime.g.roles
-                                   if r.batch_rows}
+                self.rows_like = {r.source: r.batch_rows for r in runtime.g.roles
+                                  if r.batch_rows}
                 return g.fingerprint
         for kept in state.kept:
             runtime = kept.runtime
             if runtime.g.batch_symbol is None:
                 continue
-            if runtime._at_one is None:
-                runtime._at_one = runtime.g.fingerprints_at(runtime._one_row(kept))
-            full, sample = runtime._at_one
+            full, sample = runtime.fingerprints_at_one(kept)
             if g.fingerprint in (full, sample):
-                self._rows_like = {r.source: r.batch_rows for r in runtime.g.roles
-                                   if r.batch_rows}
+                self.rows_like = {r.source: r.batch_rows for r in runtime.g.roles
+                                  if r.batch_rows}
                 return runtime.g.fingerprint if g.fingerprint == full else \
                     runtime.g.sample_fingerprint
         return g.fingerprint
+
+    def fingerprints_at_one(self, kept: KeptCall) -> tuple[tuple, tuple]:
+        """(fingerprint, sample fingerprint) of this graph traced at a batch of 1, on the
+        first row of ``kept`` (one of its calls); traced once (``at_one``)."""
+        if self.at_one is None:
+            self.at_one = self.g.fingerprints_at(self._one_row(kept))
+        return self.at_one
 
     def _one_row(self, kept: KeptCall) -> list:
         """``kept``'s inputs cut to its first row (sizes of the batch set to 1)."""

@@ -13,9 +13,10 @@ __all__ = ["Retain"]
 
 
 class Retain:
-    """Gathering kept rows (``GraphRuntime`` methods)."""
+    """Gathering kept rows (``GraphRuntime`` methods; ``serve.py`` and ``reweight.py`` call
+    them)."""
 
-    def _runs(self, assignment):
+    def kept_runs(self, assignment):
         """Consecutive rows from one kept call, as (kept, [rows])."""
         runs = []
         for kept, row in assignment:
@@ -25,7 +26,11 @@ class Retain:
                 runs.append((kept, [row]))
         return runs
 
-    def _gathered_saved(self, runs, total: int) -> list:
+    def gathered_saved(self, runs, total: int) -> list:
+        """The saved values this graph's backward takes (``bw_saved`` order) for ``runs``
+        (``kept_runs``) of ``total`` rows: each batch-major one gathered row by row from the
+        kept calls, as traced; a size, for ``total`` rows; a batch-independent one, the first
+        kept call's."""
         g = self.g
         start = time.perf_counter()
         layouts = g.layouts["saved"]
@@ -49,7 +54,9 @@ class Retain:
         self.step._state.stats.gather_seconds += time.perf_counter() - start
         return values
 
-    def _gather_output(self, j, runs):
+    def gather_output(self, j, runs):
+        """Output ``j`` for ``runs`` (``kept_runs``): its rows gathered from the kept calls,
+        or the first kept call's when it does not depend on the batch."""
         layout = self.g.layouts["outputs"][j]
         first = runs[0][0]
         if layout is None or layout == "symint":

@@ -20,7 +20,7 @@ __all__ = ["Reweight"]
 class Reweight:
     """Per-row gradients (``GraphRuntime`` methods)."""
 
-    def _row_gradients(self, kept: KeptCall, saved: list) -> None:
+    def row_gradients(self, kept: KeptCall, saved: list) -> None:
         """Reweight: the gradient of every per-row scalar output of every trained row, each on
         its own. Batched when the LeanGRPO stage proved the saved tensors hold rows apart: the
         batch-1 backward graph runs under ``torch.func.vmap`` over the rows' own saved state
@@ -65,8 +65,8 @@ class Reweight:
                 batch > 1
             for row in kept.rows:
                 if gather:
-                    bw_saved, row_outputs = self._gathered_saved([(kept, [row])], 1), \
-                        [self._gather_output(j, [(kept, [row])]) for j in range(g.num_outputs)]
+                    bw_saved, row_outputs = self.gathered_saved([(kept, [row])], 1), \
+                        [self.gather_output(j, [(kept, [row])]) for j in range(g.num_outputs)]
                 else:
                     bw_saved, row_outputs = [saved[k] for k in g.bw_saved], outputs
                 for q in scalars:
@@ -147,7 +147,7 @@ class Reweight:
         reductions (``RowBackward.unreduced``), run as it is (aot_eager's way, also under
         Inductor: this path is for calls the vectorised backward cannot take)."""
         unreduced = self.row_backward.unreduced()
-        tangents = self._tangents(outputs, cotangents)
+        tangents = self.tangents_for(outputs, cotangents)
         with torch.no_grad():
             return list(unreduced(*bw_saved, *tangents))
 

@@ -47,7 +47,9 @@ class GraphRuntime(Keys, Retain, Reweight):
         self.sample_input = next((i for i, r in enumerate(graphs.roles)
                                   if r.source == "<sample>"), None)
         self.trainable_sources = [graphs.roles[i].source for i in self.params]
-        self._at_one: tuple | None = None
+        self.at_one: tuple | None = None
+        """(fingerprint, sample fingerprint) at a batch of 1, once traced
+        (``Keys.fingerprints_at_one``)."""
         self.row_backward = RowBackward(graphs, defer_reductions=step.config.defer_reductions,
                                         compiler=step.options.compiler)
         """Reweight's vectorised per-row backward of this graph (``row_backward.py``)."""
@@ -56,8 +58,8 @@ class GraphRuntime(Keys, Retain, Reweight):
             n.meta.get("val") for n in backward.graph.nodes
             if n.op == "placeholder" and n.name.startswith("tangents")]
         """The backward graph's tangents as traced (their strides: a compiled backward
-        assumes them; ``_tangents``)."""
-        self._rows_like: dict[str, int] = {}
+        assumes them; ``tangents_for``)."""
+        self.rows_like: dict[str, int] = {}
         """For a graph specialised to a batch of 1: the rows per sample of each input, from the
         kept graph with a symbolic batch that computes the same (``_fingerprint_for``)."""
 
@@ -100,15 +102,19 @@ class GraphRuntime(Keys, Retain, Reweight):
                 f"{torch.__version__}; torch 2.11 does not recompile for a module's "
                 "parameter, torch 2.13 does)")
 
-    def _batch(self, args) -> int:
+    def batch_of(self, args) -> int:
+        """The batch size of a call: from a batch-major input, else dim 0 of the call's first
+        tensor argument (``LeanStep`` notes it), else 1."""
         for i, role in enumerate(self.g.roles):
             if role.batch_rows:
                 return args[i].shape[0] // role.batch_rows
         return self.step._state_batch or 1
 
-    def _rows_of_input(self, i: int) -> int:
+    def rows_of_input(self, i: int) -> int:
+        """Rows per sample of input ``i`` (0: not batch-major), from its role or, for a graph
+        specialised to a batch of 1, from the kept graph that computes the same (``rows_like``)."""
         role = self.g.roles[i]
-        return role.batch_rows or self._rows_like.get(role.source, 0)
+        return role.batch_rows or self.rows_like.get(role.source, 0)
 
     def _finish(self, outputs, args) -> tuple:
         out = list(outputs)
@@ -120,7 +126,7 @@ class GraphRuntime(Keys, Retain, Reweight):
     def _symbols(self, args) -> dict:
         return {sym: int(args[i]) for i, sym in self.symbol_inputs.items()}
 
-    def _versions(self, args) -> dict:
+    def param_versions(self, args) -> dict:
         """Per parameter: its version counter, storage and ``requires_grad`` (a parameter
         frozen in the rollout has no gradient in what the rollout kept)."""
         return {self.g.roles[i].source: (args[i]._version, args[i].data_ptr(),
@@ -147,7 +153,7 @@ class GraphRuntime(Keys, Retain, Reweight):
         results = Reused.apply(backward_fn, outputs, *[args[i] for i in inputs])
         return self._finish(results, args)
 
-    def _tangents(self, outputs, cotangents) -> list:
+    def tangents_for(self, outputs, cotangents) -> list:
         """The backward graph's tangent inputs: the differentiable outputs' cotangents
         (zeros where none), laid out with the strides the backward was traced with, as
         AOTAutograd's own runtime lays them out (Inductor's backward asserts them: SD3's output
@@ -165,7 +171,7 @@ class GraphRuntime(Keys, Retain, Reweight):
     def backward(self, bw_saved, outputs, cotangents) -> list:
         """The backward graph on ``bw_saved`` and the outputs' ``cotangents``: the gradient
         of every input (None where none)."""
-        tangents = self._tangents(outputs, cotangents)
+        tangents = self.tangents_for(outputs, cotangents)
         self.step._state.stats.backward_graphs_run += 1
         with torch.no_grad():
             return list(self.g.run_backward(list(bw_saved) + tangents))
@@ -205,7 +211,7 @@ class GraphRuntime(Keys, Retain, Reweight):
                 "would give other gradients. Detach the drawn sample where the step reads it "
                 "(FlowGRPO and DanceGRPO compute the log-prob from prev_sample.detach()), or use "
                 "schedule='recompute'")
-        batch = self._batch(args)
+        batch = self.batch_of(args)
         train_rows = [r for r in train_rows if r < batch]
         state.stats.trained_calls += 1
         mode, why = self._choose(args, batch, train_rows)
@@ -217,7 +223,7 @@ class GraphRuntime(Keys, Retain, Reweight):
         outputs, saved = full[:g.num_outputs], full[g.num_outputs:]
         kept = KeptCall(runtime=self, mode=mode, args=args, batch=batch, outputs=outputs,
                      saved=saved if mode == "retain" else None, grads={}, rows=train_rows,
-                     versions=self._versions(args), symbols=self._symbols(args))
+                     versions=self.param_versions(args), symbols=self._symbols(args))
         params = [a for a in args if isinstance(a, Tensor)]
         if mode == "retain":
             kept.nbytes = storage_bytes(saved, exclude=params)
@@ -225,7 +231,7 @@ class GraphRuntime(Keys, Retain, Reweight):
             kept.saved = saved  # read while the per-row gradients are taken, then dropped
             before = buffer_bytes(state)
             kept.samples = state.current_samples
-            self._row_gradients(kept, saved)
+            self.row_gradients(kept, saved)
             kept.saved = None
             kept.nbytes = sum(t.numel() * t.element_size()
                               for key, grads in kept.grads.items() if isinstance(key, tuple)
@@ -284,7 +290,7 @@ class GraphRuntime(Keys, Retain, Reweight):
     def _update(self, args):
         state = self.step._state
         state.stats.update_calls += 1
-        assignment, reason = self._match(args)
+        assignment, reason = self.match_kept(args)
         if assignment is None:
             if state.kept:  # (a parameter change frees everything: recomputed everywhere)
                 return self._fallback(args, reason)

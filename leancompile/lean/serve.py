@@ -25,7 +25,7 @@ class ServedUpdate:
         self.args = args
         self.assignment = assignment
         self.batch = len(assignment)
-        self.runs = runtime._runs(assignment)
+        self.runs = runtime.kept_runs(assignment)
         """Consecutive rows from one kept call, as (kept, [rows])."""
         self.kept_graph = self.runs[0][0].runtime
         """The runtime of the graph that kept the rows (every run's, or ``refusal`` says)."""
@@ -65,7 +65,7 @@ class ServedUpdate:
                 outputs.append(args[g.output_bases[j]])
                 continue
             out = runs[0][0].outputs[j] if len(runs) == 1 and self.whole else \
-                self.kept_graph._gather_output(j, runs)
+                self.kept_graph.gather_output(j, runs)
             # A copy, never the kept tensor (or a view of it): an in-place edit of the served
             # output (v.mul_(dt)) would rewrite the rollout's output the caller holds and what
             # the backward reads.
@@ -128,7 +128,7 @@ class ServedUpdate:
         """Retain: the backward of each kept call (served whole), or one backward of the rows'
         saved tensors gathered (regrouped)."""
         batch, out_layouts = self.batch, self.layouts.get("outputs")
-        retain_runs = self.runtime._runs([a for _, a in self.retain])
+        retain_runs = self.runtime.kept_runs([a for _, a in self.retain])
         update_rows = [i for i, _ in self.retain]
         if self.whole:
             offset = 0
@@ -145,8 +145,8 @@ class ServedUpdate:
                 self._add(total, {kg.g.roles[i].source: grads[i] for i in kg.params})
         else:
             kg = retain_runs[0][0].runtime
-            bw_saved = kg._gathered_saved(retain_runs, len(update_rows))
-            outs = [kg._gather_output(j, retain_runs) for j in range(self.g.num_outputs)]
+            bw_saved = kg.gathered_saved(retain_runs, len(update_rows))
+            outs = [kg.gather_output(j, retain_runs) for j in range(self.g.num_outputs)]
             cots = [cotangent_rows(c, out_layouts, j, batch, update_rows)
                     for j, c in enumerate(cotangents)]
             grads = kg.backward(bw_saved, outs, cots)

@@ -145,8 +145,8 @@ class StepState:
     def watch_optimizers(self) -> None:
         """While something is kept: any ``optimizer.step()`` over a kept call's parameters
         makes it stale: fused and 8-bit optimizers change parameters without bumping the
-        version counters ``_versions`` compares (writes through ``.data`` outside an optimizer:
-        ``digest``)."""
+        version counters ``GraphRuntime.param_versions`` reads (writes through ``.data``
+        outside an optimizer: ``digest``)."""
         if self._step_hook is None:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
