@@ -38,8 +38,8 @@ class GraphSnapshot:
     __slots__ = ("_structure", "_graph", "_code")
 
     def __init__(self, gm: fx.GraphModule):
-        self._structure: Structure | None = Structure(gm.graph)
-        self._graph: fx.Graph | None = None
+        self._structure = Structure(gm.graph)
+        self._graph: fx.Graph | None = None  # rebuilt from the structure on the first read
         self._code: str | None = None
 
     def __str__(self) -> str:
@@ -48,9 +48,9 @@ class GraphSnapshot:
         return self._code
 
     @property
-    def graph(self) -> fx.Graph | None:
+    def graph(self) -> fx.Graph:
         """The graph itself: what ``leancompile.sim.simulate`` simulates."""
-        if self._graph is None and self._structure is not None:
+        if self._graph is None:
             self._graph = self._structure.graph()
         return self._graph
 
