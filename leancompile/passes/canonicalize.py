@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..runtime.namespaces import ANY_COLLECTIVE_NAMESPACES
 from .result import PassResult, recompile
 
 __all__ = ["canonicalize_pass", "find_reshape_matches", "find_noop_slice_matches",
@@ -247,7 +248,7 @@ def _side_effect_reason(node: fx.Node) -> str | None:
     target = node.target
     namespace = getattr(target, "namespace", "") or getattr(
         getattr(target, "_overloadpacket", None), "__module__", "")
-    if namespace in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor"):
+    if namespace in ANY_COLLECTIVE_NAMESPACES:
         return "collective: every rank must issue it"
     schema = getattr(target, "_schema", None)
     if schema is not None and any(

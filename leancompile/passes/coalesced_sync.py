@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from ..runtime.vmap_ops import COLLECTIVE_NAMESPACES
+from ..runtime.namespaces import COLLECTIVE_NAMESPACES
 
 __all__ = ["GradientReduction", "ReductionsFound", "find_gradient_reductions",
            "take_out_reductions"]

@@ -9,6 +9,8 @@ from collections import Counter
 
 import torch
 
+from ..runtime.namespaces import ANY_COLLECTIVE_NAMESPACES
+
 __all__ = ["declare_same_rows", "forget_same_rows", "same_rows_groups", "collective_ops",
            "is_collective"]
 
@@ -53,6 +55,4 @@ def collective_ops():
 
 
 def is_collective(target) -> bool:
-    from ..runtime.vmap_ops import COLLECTIVE_NAMESPACES
-
-    return getattr(target, "namespace", None) in COLLECTIVE_NAMESPACES + ("c10d", "_dtensor")
+    return getattr(target, "namespace", None) in ANY_COLLECTIVE_NAMESPACES
