@@ -77,8 +77,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ..runtime.fx_values import node_val
 from .flash.splice import SITE_META
-from .flash.vocabulary import node_val
 from .result import PassResult, Site, format_bytes, is_pure_op, recompile
 
 __all__ = ["bucket_collectives_pass", "find_buckets", "move_inputs_up", "rewrite_bucket", "Bucket",

@@ -13,8 +13,9 @@ import torch
 import torch.fx as fx
 
 from ..runtime.fx_values import node_val
+from .aten_ops import RESHAPES, TRANSPOSES, node_arg, norm_dim
 from .row_groups import collective_ops, same_rows_groups
-from .row_rules import PERMUTES, SPLITS, VIEWS, node_arg, norm_dim, op_label, permutation
+from .row_rules import SPLIT_LIKE, op_label, permutation
 from .row_types import Mixed, RowLayout, has_symbol, size_expr, static_size
 
 __all__ = ["Lifted", "lifted_layout"]
@@ -62,7 +63,7 @@ def lifted_layout(node: fx.Node, source: fx.Node, count: int, state: dict, symbo
     same = (lambda a, b: len(a) == len(b) and all(
         sympy.simplify(size_expr(x) - size_expr(y)) == 0 for x, y in zip(a, b)))
     exchanges, waits = collective_ops()
-    if target in SPLITS and count == 1 and isinstance(val, (tuple, list)):
+    if target in SPLIT_LIKE and count == 1 and isinstance(val, (tuple, list)):
         dim = norm_dim(node_arg(node, 1, "dim", 0) if target is aten.unbind.int
                     else node_arg(node, 2, "dim", 0), src.dim())
         if target is aten.unbind.int or dim == 1:
@@ -95,12 +96,12 @@ def lifted_layout(node: fx.Node, source: fx.Node, count: int, state: dict, symbo
         # slice); dim 1 stays.
         return Lifted(static_size(val.shape[0]), lay.base) if same(
             val.shape[1:], src.shape[1:]) else outside
-    if target in PERMUTES:
+    if target in TRANSPOSES:
         order = permutation(node)
         if order[0] == 1 and not any(has_symbol(d, symbol) for d in val.shape[1:]):
             return lay.base
         return lay if order[:2] == [0, 1] else outside
-    if target in VIEWS and val.dim() == src.dim() - 1 and \
+    if target in RESHAPES and val.dim() == src.dim() - 1 and \
             isinstance(lay.blocks, int) and same(val.shape[1:], src.shape[2:]) and \
             sympy.simplify(size_expr(val.shape[0]) - lay.blocks * size_expr(src.shape[1])) == 0:
         return RowLayout(lay.blocks * lay.base.outer, lay.base.inner)

@@ -12,14 +12,14 @@ import torch
 import torch.fx as fx
 
 from ..runtime.fx_values import node_val
+from .aten_ops import SPLITS, node_arg, norm_dim
 
-__all__ = ["VIEWS", "FILLS", "ALONG_DIM", "OVER_DIMS", "PER_ENTRY", "BATCH_MIXING", "SIZE_TYPE",
-           "LOOKUPS", "MATMULS", "PERMUTES", "SPLITS", "node_arg", "norm_dim", "touches_dim0",
+__all__ = ["FILLS", "ALONG_DIM", "OVER_DIMS", "PER_ENTRY", "BATCH_MIXING", "SIZE_TYPE",
+           "LOOKUPS", "MATMULS", "SPLIT_LIKE", "touches_dim0",
            "no_row_rule", "permutation", "op_label"]
 
 aten = torch.ops.aten
 
-VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 FILLS = (aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
           aten.new_full.default, aten.new_zeros.default, aten.new_ones.default,
           aten.new_empty.default, aten.expand.default, aten.empty_strided.default,
@@ -83,18 +83,9 @@ SIZE_TYPE = re.compile(r"^(Optional\[)?(List\[)?(int|bool)\]?\]?$")
 LOOKUPS = {aten.index.Tensor, aten.index_select.default, aten.embedding.default}
 MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1),
             aten.baddbmm.default: (1, 2)}
-PERMUTES = (aten.permute.default, aten.transpose.int, aten.t.default)
-SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default)
-
-
-def node_arg(node, index, name, default=None):
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
-def norm_dim(dim, ndim):
-    return dim + ndim if isinstance(dim, int) and dim < 0 else dim
+SPLIT_LIKE = SPLITS + (aten.unbind.int, aten.chunk.default)
+"""Ops that return their input's pieces along a dim as a tuple (``unbind``'s dim is argument 1,
+the others' argument 2)."""
 
 
 def touches_dim0(node: fx.Node, x) -> bool:

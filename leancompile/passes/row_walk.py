@@ -12,11 +12,11 @@ import torch
 import torch.fx as fx
 
 from ..runtime.fx_values import node_val
+from .aten_ops import RESHAPES, TRANSPOSES, node_arg, norm_dim
 from .row_groups import collective_ops, is_collective
 from .row_lifted import Lifted, lifted_layout
-from .row_rules import (ALONG_DIM, BATCH_MIXING, FILLS, LOOKUPS, MATMULS, PERMUTES, SIZE_TYPE,
-                        VIEWS, no_row_rule, node_arg, norm_dim, op_label, permutation,
-                        touches_dim0)
+from .row_rules import (ALONG_DIM, BATCH_MIXING, FILLS, LOOKUPS, MATMULS, SIZE_TYPE, no_row_rule,
+                        op_label, permutation, touches_dim0)
 from .row_types import (Mixed, RowLayout, Uniform, batch_dim0, dim0_of, has_symbol,
                         layout_of_shape, size_expr, static_size)
 
@@ -69,7 +69,7 @@ class _Analysis:
                 layouts and isinstance(layouts[0], RowLayout) and \
                 norm_dim(node.args[1], val.dim()) == 0:
             return Lifted(1, layouts[0])
-        if node.target in PERMUTES and layouts and isinstance(layouts[0], RowLayout):
+        if node.target in TRANSPOSES and layouts and isinstance(layouts[0], RowLayout):
             order = permutation(node)
             if len(order) > 1 and order[1] == 0 and not has_symbol(val.shape[0], self.symbol) and \
                     not any(has_symbol(d, self.symbol) for d in val.shape[2:]):
@@ -181,9 +181,9 @@ class _Analysis:
             return self.lookup(node, val)
         if target in ALONG_DIM and touches_dim0(node, carrying[0]):
             return Mixed(f"{op_label(node)} works along dim 0, the batch")
-        if target in VIEWS:
+        if target in RESHAPES:
             return self.reshape(node, first, val)
-        if target in PERMUTES:
+        if target in TRANSPOSES:
             moved = permutation(node)[0] != 0
             return Mixed(f"{op_label(node)} moves the batch out of dim 0") if moved else first
         if target is aten.slice.Tensor:

@@ -22,8 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .vocabulary import METADATA, RESHAPES, node_val, shape_of
 
 __all__ = ["SITE_META", "Unsupported", "bind_symbolic_sizes", "detach_metadata_readers",
-           "erase_if_dead", "feed_moved_readers", "hoist", "inline", "node_val",
-           "raw_sizes_bound_later", "replay", "trace", "users_before"]
+           "erase_if_dead", "feed_moved_readers", "hoist", "inline", "raw_sizes_bound_later",
+           "replay", "trace", "users_before"]
 
 aten = torch.ops.aten
 

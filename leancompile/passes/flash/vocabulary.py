@@ -4,7 +4,10 @@ alone, with its reason) and ``find_sites`` (each collective of a kind: a match o
 checks every site goes through (its one wait, its group, the divisibility of its sizes), and the
 small graph helpers the matchers share (shapes without guards, reshape dim groups, readers).
 
-Nothing here changes a graph. The other modules of ``passes/flash/`` import from this one.
+Nothing here changes a graph. The other modules of ``passes/flash/`` import from this one; it
+passes on the names other passes share, defined once elsewhere (``RESHAPES``, ``TRANSPOSES``,
+``SPLITS``, ``node_arg``, ``norm_dim`` in ``passes/aten_ops.py``; ``node_val`` in
+``runtime/fx_values.py``).
 
 Dynamic shapes. Sizes in ``meta["val"]`` may be SymInts. ``divisible`` decides the
 divisibility of a gathered (or reduced) size by ``N * m`` on the shape environment's sympy
@@ -28,6 +31,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ...runtime.fx_values import node_val
+from ..aten_ops import RESHAPES, SPLITS, TRANSPOSES, node_arg, norm_dim
 from ..result import PassResult
 
 __all__ = [
@@ -57,16 +62,13 @@ REDUCE_SCATTER = _c10d.reduce_scatter_tensor.default
 ALL_TO_ALL = _c10d.all_to_all_single.default
 
 FLASH_MATMULS = (aten.mm.default, aten.addmm.default)
-"""The matmuls a FlashOverlap schedule slices (``passes/row_layout.py`` has its own table of
+"""The matmuls a FlashOverlap schedule slices (``passes/row_rules.py`` has its own table of
 matmuls with their operand indices, for another question)."""
-RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-TRANSPOSES = (aten.t.default, aten.transpose.int, aten.permute.default)
 SAME_LAYOUT = (aten.clone.default, aten.alias.default)
 PASS_THROUGH = RESHAPES + TRANSPOSES + SAME_LAYOUT
 """What a matcher follows between a collective and its matmul."""
 LAYOUT = RESHAPES + (aten.permute.default,) + SAME_LAYOUT
 """The layout ops between an all-to-all and its attention (or an attention and its matmul)."""
-SPLITS = (aten.split.Tensor, aten.split_with_sizes.default)
 METADATA = (aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
             aten.sym_storage_offset.default)
 """Ops that read a tensor's metadata only, never its data."""
@@ -174,13 +176,6 @@ def divisible(size, n: int, m: int, what: str, allow_guards: bool, name: str):
 # Small graph helpers
 
 
-def node_arg(node: fx.Node, index: int, name: str, default=None):
-    """Argument ``index`` of ``node``, or its keyword ``name``, or ``default``."""
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
 def data_readers(node: fx.Node, *, keep_output: bool = False) -> list[fx.Node]:
     """Users that read the data (sym_size and friends only read metadata)."""
     return [u for u in node.users
@@ -202,11 +197,6 @@ def matmul_operands(mm: fx.Node):
             return None
         return mm.args[0], mm.args[1], mm.args[2]
     return None, mm.args[0], mm.args[1]
-
-
-def node_val(node):
-    """``meta["val"]`` of an fx node (its fake value); None for anything else."""
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
 def shape_of(node: fx.Node) -> tuple:
@@ -266,11 +256,6 @@ def cat_of(pieces: list[fx.Node]) -> fx.Node | None:
 def cat_dim(cat: fx.Node, shape: tuple) -> int:
     """The dim ``cat`` joins along, non-negative (``shape``: its output's)."""
     return norm_dim(node_arg(cat, 1, "dim", 0), len(shape))
-
-
-def norm_dim(dim: int, ndim: int) -> int:
-    """``dim`` as a non-negative index into ``ndim`` dims."""
-    return dim + ndim if dim < 0 else dim
 
 
 def same_shape(a: tuple, b: tuple) -> bool:
