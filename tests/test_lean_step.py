@@ -72,11 +72,20 @@ FLOW = LoopConfig(sde="flow_grpo", eta=0.9)
 DANCE = LoopConfig(sde="dance_grpo", eta=0.3, init_same_noise=True, timestep_fraction=0.7)
 
 
-@pytest.mark.parametrize("level", ["model", "step"])
-def test_flow_grpo_loop_retain_equals_the_plain_loop(flux, level):
+@pytest.fixture(scope="module")
+def toy():
+    return ToyFlowPolicy(steps=4)
+
+
+# The model is FLUX where its graph is the point (model-level gathered rows; Reweight's
+# vectorised backward through its attention), the small MLP policy where the loop's form is
+# (FLUX's rows under DanceGRPO's batch-1 training calls: tests/test_real_loops.py).
+@pytest.mark.parametrize("level,model", [("model", "flux"), ("step", "toy")])
+def test_flow_grpo_loop_retain_equals_the_plain_loop(request, level, model):
     """Samples shuffled across the rollout's sampling batches, re-batched with 2 rows where
     sampling used 4, timesteps permuted per sample, PPO, accumulation, clipping, AdamW; three
     iterations (parameters compared after each)."""
+    flux = request.getfixturevalue(model)
     config = dataclasses.replace(FLOW, level=level, iterations=3)
     # Model level: against the loop compiled without a schedule (Retain runs the rollout's
     # own forward graph and its backward); step level: against eager. Not bitwise: Retain's
@@ -135,12 +144,12 @@ def test_flow_grpo_loop_with_kl_to_a_frozen_reference_retain():
 
 @pytest.mark.parametrize("level,schedule,tol", [("model", "retain", 1e-6),
                                                 ("step", "reweight", 1e-5)])
-def test_dance_grpo_loop(flux, level, schedule, tol):
+def test_dance_grpo_loop(toy, level, schedule, tol):
     """One sample per training call (batch 1, a graph Dynamo specialises) against rollout
     calls of the whole batch; one initial latent per group; DanceGRPO's SDE."""
     config = dataclasses.replace(DANCE, level=level, iterations=3)
-    reference, _ = run(flux, dance_grpo_loop, config, compiler=None)
-    result, step = run(flux, dance_grpo_loop, config, schedule)
+    reference, _ = run(toy, dance_grpo_loop, config, compiler=None)
+    result, step = run(toy, dance_grpo_loop, config, schedule)
     assert_same(result, reference, tol)
     assert step.stats.forwards_run == 0, step.stats.summary()
 
