@@ -93,13 +93,19 @@ def make_step(policy, config: LoopConfig):
     """The step-level function: velocity + SDE transition + log-prob (+ the mean for a KL),
     sampling from ``noise`` or scoring ``prev_sample``."""
     def step(latents, step_index, conditions, noise=None, prev_sample=None):
-        sigmas = policy.sigmas.to(latents.device)
         v = policy.velocity(latents, step_index, conditions)
-        out = sde_step(config.sde, latents=latents, velocity=v, sigma=sigmas[step_index],
-                       sigma_next=sigmas[step_index + 1], eta=config.eta, sigma_max=sigmas[1],
-                       noise=noise, prev_sample=prev_sample)
-        return out.prev_sample, out.log_prob, out.mean, out.kl_std
+        return _sde(policy, config, latents, v, step_index, noise=noise, prev_sample=prev_sample)
     return step
+
+
+def _sde(policy, config, latents, v, k, *, noise, prev_sample):
+    """(prev_sample, log_prob, mean, kl_std) of the SDE transition from ``latents`` with
+    velocity ``v`` at step ``k``."""
+    sigmas = policy.sigmas.to(latents.device)
+    out = sde_step(config.sde, latents=latents, velocity=v, sigma=sigmas[k],
+                   sigma_next=sigmas[k + 1], eta=config.eta, sigma_max=sigmas[1], noise=noise,
+                   prev_sample=prev_sample)
+    return out.prev_sample, out.log_prob, out.mean, out.kl_std
 
 
 def _transition(policy, fn, config, latents, k, conditions, *, noise=None, prev_sample=None):
@@ -107,12 +113,8 @@ def _transition(policy, fn, config, latents, k, conditions, *, noise=None, prev_
     or the whole step (step level)."""
     if config.level == "step":
         return fn(latents, k, conditions, noise=noise, prev_sample=prev_sample)
-    sigmas = policy.sigmas.to(latents.device)
-    v = fn(latents, k, conditions)
-    out = sde_step(config.sde, latents=latents, velocity=v, sigma=sigmas[k],
-                   sigma_next=sigmas[k + 1], eta=config.eta, sigma_max=sigmas[1], noise=noise,
-                   prev_sample=prev_sample)
-    return out.prev_sample, out.log_prob, out.mean, out.kl_std
+    return _sde(policy, config, latents, fn(latents, k, conditions), k, noise=noise,
+                prev_sample=prev_sample)
 
 
 def _rows(conditions, index):
@@ -123,13 +125,47 @@ def _reward(latents):
     return -(latents.float() - 0.5).square().flatten(1).mean(1)
 
 
-def _optimizer_step(policy, optimizer, config: LoopConfig, result: LoopResult) -> None:
-    """What both repos do when an accumulation window completes: clip, step, zero (and here:
-    record the gradients the step applied)."""
-    torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm)
-    result.grads.append(_grads(policy))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+def _advantages(trajectories, reward, config: LoopConfig, result: LoopResult):
+    """Both repos' scoring: the reward of each trajectory's last latent, group advantages (on
+    the latents' device: a reward may score on the host); the mean reward is recorded."""
+    rewards = reward(trajectories[:, -1])
+    advantages = group_advantages(rewards, group_ids_for(config.prompts, config.group_size),
+                                  AdvantageConfig(adv_clip_max=config.adv_clip_max))
+    result.rewards.append(rewards.mean().item())
+    return advantages.to(trajectories.device)
+
+
+def _ppo_loss(log_prob, old_log_prob, advantages, clip_range: float):
+    """Both repos' clipped PPO loss."""
+    ratio = torch.exp(log_prob - old_log_prob)
+    clipped = torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
+    return torch.maximum(-advantages * ratio, -advantages * clipped).mean()
+
+
+class _Accumulation:
+    """The optimizer and gradient accumulation as both repos have them: each update makes
+    ``calls`` backward calls, in windows of ``ceil(calls / optimizer_steps)``; when a window
+    completes (or the update's last call is done): clip, step, zero (and here: record the
+    gradients the step applied)."""
+
+    def __init__(self, policy, config: LoopConfig, result: LoopResult, calls: int):
+        self.policy, self.config, self.result, self.calls = policy, config, result, calls
+        self.optimizer = torch.optim.AdamW(
+            [p for p in policy.parameters() if p.requires_grad], lr=config.lr)
+        self.every = -(-calls // config.optimizer_steps)
+        self.done = 0
+
+    def start_update(self) -> None:
+        self.done = 0
+
+    def backward(self, loss) -> None:
+        (loss / self.every).backward()
+        self.done += 1
+        if self.done % self.every == 0 or self.done == self.calls:
+            torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
+            self.result.grads.append(_grads(self.policy))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
 
 
 def _grads(policy):
@@ -149,12 +185,12 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
     ``fn`` is the velocity (``level="model"``) or the step (``level="step"``), plain or
     wrapped; ``reference``: the frozen policy for the KL (``beta > 0``)."""
     gen = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],
-                                  lr=config.lr)
     steps = len(policy.sigmas) - 1
     n_train = max(1, int(steps * config.timestep_fraction))
     total = config.prompts * config.group_size
     result = LoopResult(params={})
+    accumulation = _Accumulation(policy, config, result,
+                                 calls=-(-total // config.train_batch) * n_train)
     prompts = policy.example_conditions(config.prompts, gen)
     for _ in range(config.iterations):
         conditions = {k: v.repeat_interleave(config.group_size, 0) for k, v in prompts.items()}
@@ -177,11 +213,7 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
                 trajectories.append(torch.stack(traj, 1))
                 log_probs.append(torch.stack(lps, 1))
         trajectories, log_probs = torch.cat(trajectories), torch.cat(log_probs)
-        rewards = reward(trajectories[:, -1])
-        advantages = group_advantages(rewards, group_ids_for(config.prompts, config.group_size),
-                                      AdvantageConfig(adv_clip_max=config.adv_clip_max))
-        advantages = advantages.to(trajectories.device)  # (a reward may score on the host)
-        result.rewards.append(rewards.mean().item())
+        advantages = _advantages(trajectories, reward, config, result)
         synchronize(trajectories.device)
         result.rollout_seconds += time.perf_counter() - start
 
@@ -193,9 +225,7 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
         else:
             perm = torch.arange(total)
             timesteps = torch.arange(n_train).expand(total, n_train)
-        calls = -(-total // config.train_batch) * n_train
-        accumulate = -(-calls // config.optimizer_steps)
-        done = 0
+        accumulation.start_update()
         with phase(fn, "update"):
             for b in range(0, total, config.train_batch):
                 rows = perm[b:b + config.train_batch]
@@ -205,10 +235,7 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
                     x, x_next = trajectories[rows, k], trajectories[rows, k + 1]
                     _, lp, mean, kl_std = _transition(policy, fn, config, x, k, cond,
                                                       prev_sample=x_next)
-                    ratio = torch.exp(lp - log_probs[rows, k])
-                    a = advantages[rows]
-                    clipped = torch.clamp(ratio, 1 - config.clip_range, 1 + config.clip_range)
-                    loss = torch.maximum(-a * ratio, -a * clipped).mean()
+                    loss = _ppo_loss(lp, log_probs[rows, k], advantages[rows], config.clip_range)
                     if config.beta > 0:
                         with torch.no_grad():
                             _, _, mean_ref, _ = _transition(
@@ -217,10 +244,7 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
                                 prev_sample=x_next)
                         loss = loss + config.beta * kl_to_reference(mean, mean_ref,
                                                                     kl_std).mean()
-                    (loss / accumulate).backward()
-                    done += 1
-                    if done % accumulate == 0 or done == calls:
-                        _optimizer_step(policy, optimizer, config, result)
+                    accumulation.backward(loss)
         synchronize(trajectories.device)
         result.update_seconds += time.perf_counter() - start
         result.history.append(_state(policy))
@@ -235,12 +259,11 @@ def dance_grpo_loop(policy, fn, config: LoopConfig, *, seed: int = 0,
     over its own random subset of the first ``T - 1`` steps, gradients accumulated over the
     rollout, ``optimizer_steps`` steps (DanceGRPO's default takes several)."""
     gen = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],
-                                  lr=config.lr)
     steps = len(policy.sigmas) - 1
     n_train = max(1, int((steps - 1) * config.timestep_fraction))
     total = config.prompts * config.group_size
     result = LoopResult(params={})
+    accumulation = _Accumulation(policy, config, result, calls=total * n_train)
     prompts = policy.example_conditions(config.prompts, gen)
     for _ in range(config.iterations):
         conditions = {k: v.repeat_interleave(config.group_size, 0) for k, v in prompts.items()}
@@ -261,18 +284,12 @@ def dance_grpo_loop(policy, fn, config: LoopConfig, *, seed: int = 0,
                 traj.append(x)
                 lps.append(lp)
         trajectories, log_probs = torch.stack(traj, 1), torch.stack(lps, 1)
-        rewards = reward(trajectories[:, -1])
-        advantages = group_advantages(rewards, group_ids_for(config.prompts, config.group_size),
-                                      AdvantageConfig(adv_clip_max=config.adv_clip_max))
-        advantages = advantages.to(trajectories.device)  # (a reward may score on the host)
-        result.rewards.append(rewards.mean().item())
+        advantages = _advantages(trajectories, reward, config, result)
         synchronize(trajectories.device)
         result.rollout_seconds += time.perf_counter() - start
 
         start = time.perf_counter()
-        calls = total * n_train
-        accumulate = -(-calls // config.optimizer_steps)
-        done = 0
+        accumulation.start_update()
         with phase(fn, "update"):
             for i in range(total):
                 cond = _rows(conditions, slice(i, i + 1))
@@ -281,14 +298,8 @@ def dance_grpo_loop(policy, fn, config: LoopConfig, *, seed: int = 0,
                     x, x_next = trajectories[i:i + 1, k], trajectories[i:i + 1, k + 1]
                     _, lp, _, _ = _transition(policy, fn, config, x, index, cond,
                                               prev_sample=x_next)
-                    ratio = torch.exp(lp - log_probs[i:i + 1, k])
-                    a = advantages[i:i + 1]
-                    clipped = torch.clamp(ratio, 1 - config.clip_range, 1 + config.clip_range)
-                    loss = torch.maximum(-a * ratio, -a * clipped).mean()
-                    (loss / accumulate).backward()
-                    done += 1
-                    if done % accumulate == 0 or done == calls:
-                        _optimizer_step(policy, optimizer, config, result)
+                    accumulation.backward(_ppo_loss(lp, log_probs[i:i + 1, k],
+                                                    advantages[i:i + 1], config.clip_range))
         synchronize(trajectories.device)
         result.update_seconds += time.perf_counter() - start
         result.history.append(_state(policy))
