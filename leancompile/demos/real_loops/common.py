@@ -1,5 +1,6 @@
-"""What both loops share: the result of a run, the phase lines, compiling the transformer one
-of three ways, the trainable state, accelerate's marks."""
+"""What both loops share: the result of a run (started, each update call recorded, finished),
+the phase lines, compiling the transformer one of three ways, the trainable state,
+accelerate's marks."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["COMPILES", "LoopRun", "phase", "compiled_as", "unwrapped", "trainable_state",
-           "load_trainable_state", "grad_snapshot", "step_stats", "reset_accelerate", "unprepare"]
+           "load_trainable_state", "grad_snapshot", "start_run", "finish_run", "reset_accelerate",
+           "unprepare"]
 
 COMPILES = ("eager", "torch", "lean")
 
@@ -45,6 +47,15 @@ class LoopRun:
     """``compile="lean"``: the wrapper's ``StepStats`` at the end."""
     rollout_seconds: float = 0.0
     update_seconds: float = 0.0
+
+    def record_call(self, ratio, log_prob, old_log_prob, *, clip_range: float, step: int,
+                    samples: int) -> None:
+        """One update call's PPO statistics (``clipfrac``, ``log_ratio``), the denoising step it
+        trains and how many samples."""
+        self.clipfrac.append(torch.mean((torch.abs(ratio - 1.0) > clip_range).float()).item())
+        self.log_ratio.append((log_prob - old_log_prob).abs().max().item())
+        self.update_steps.append(step)
+        self.update_samples.append(samples)
 
 
 def phase(transformer, name: str, **kwargs):
@@ -105,10 +116,27 @@ def grad_snapshot(transformer) -> dict[str, torch.Tensor]:
             if p.requires_grad and p.grad is not None}
 
 
-def step_stats(transformer):
+def _lean(transformer):
     from ...lean import LeanModule, LeanStep
 
     return transformer if isinstance(transformer, (LeanModule, LeanStep)) else None
+
+
+def start_run(transformer) -> LoopRun:
+    """A new run's record; a LeanGRPO wrapper's counts start from zero (this run's counts)."""
+    lean = _lean(transformer)
+    if lean is not None:
+        lean.reset_stats()
+    return LoopRun()
+
+
+def finish_run(run: LoopRun, transformer) -> LoopRun:
+    """``run`` with the trainable parameters after it and, wrapped, the wrapper's ``stats``."""
+    run.params = trainable_state(transformer)
+    lean = _lean(transformer)
+    if lean is not None:
+        run.stats = lean.stats
+    return run
 
 
 def reset_accelerate() -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import LoopRun, compiled_as, grad_snapshot, phase, step_stats, trainable_state
+from .common import LoopRun, compiled_as, finish_run, grad_snapshot, phase, start_run
 from .flow_grpo_sd3 import latent_reward
 
 __all__ = ["DanceGRPOConfig", "tiny_flux_transformer", "flux_prompt_bank", "prepare_dance_grpo",
@@ -157,15 +157,12 @@ def dance_grpo_train_flux(transformer, prompts: dict, config: DanceGRPOConfig = 
                                   weight_decay=config.weight_decay, eps=1e-8)
     lr_scheduler = get_scheduler("constant_with_warmup", optimizer=optimizer,
                                  num_warmup_steps=0, num_training_steps=1000000)
-    lean = step_stats(transformer)
-    if lean is not None:
-        lean.reset_stats()  # (measurement: this run's counts)
+    run = start_run(transformer)  # (measurement)
     bf16 = config.mixed_precision == "bf16"
     noise_dtype = torch.bfloat16 if bf16 else torch.float32
     order = torch.randperm(config.prompts, generator=torch.Generator().manual_seed(
         config.sampler_seed)).tolist()
     bank = {k: v.to(device) for k, v in prompts.items()}
-    run = LoopRun()
     T = config.sampling_steps
     channels, latent_h, latent_w = 16, config.h // 8, config.w // 8
 
@@ -271,12 +268,8 @@ def dance_grpo_train_flux(transformer, prompts: dict, config: DanceGRPOConfig = 
                     adv = torch.clamp(sample["advantages"], -config.adv_clip_max,
                                       config.adv_clip_max)
                     ratio = torch.exp(new_log_prob - sample["log_probs"][:, k])
-                    run.clipfrac.append(  # (measurement)
-                        torch.mean((torch.abs(ratio - 1.0) > config.clip_range).float()).item())
-                    run.log_ratio.append(  # (measurement)
-                        (new_log_prob - sample["log_probs"][:, k]).abs().max().item())
-                    run.update_steps.append(int(perms[i][k]))  # (measurement)
-                    run.update_samples.append(1)  # (measurement)
+                    run.record_call(ratio, new_log_prob, sample["log_probs"][:, k],  # (measurement)
+                                    clip_range=config.clip_range, step=int(perms[i][k]), samples=1)
                     clipped = torch.clamp(ratio, 1.0 - config.clip_range, 1.0 + config.clip_range)
                     loss = torch.mean(torch.maximum(-adv * ratio, -adv * clipped)) / (
                         config.gradient_accumulation_steps * train_timesteps)
@@ -288,7 +281,4 @@ def dance_grpo_train_flux(transformer, prompts: dict, config: DanceGRPOConfig = 
                     lr_scheduler.step()
                     optimizer.zero_grad()
         run.update_seconds += time.perf_counter() - start
-    run.params = trainable_state(transformer)
-    if lean is not None:
-        run.stats = lean.stats
-    return run
+    return finish_run(run, transformer)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import (LoopRun, compiled_as, grad_snapshot, phase, reset_accelerate, step_stats,
-                     trainable_state, unprepare)
+from .common import (LoopRun, compiled_as, finish_run, grad_snapshot, phase, reset_accelerate,
+                     start_run, unprepare)
 
 __all__ = ["FlowGRPOConfig", "SD3_LORA_TARGETS", "tiny_sd3_pipeline", "sd3_prompt_bank",
            "sd3_sde_step_with_logprob", "sd3_pipeline_with_logprob", "latent_reward",
@@ -351,10 +351,7 @@ def flow_grpo_train_sd3(pipeline, prompts: dict, config: FlowGRPOConfig = FlowGR
     per_prompt = config.per_prompt_stat_tracking and config.num_image_per_prompt > 1
     autocast = contextlib.nullcontext  # the script: LoRA trains without an autocast of its own
     transformer, optimizer = accelerator.prepare(transformer, optimizer)
-    run = LoopRun()
-    lean = step_stats(transformer)
-    if lean is not None:
-        lean.reset_stats()  # (measurement: this run's counts)
+    run = start_run(transformer)  # (measurement)
 
     for epoch in range(config.epochs):
         start = time.perf_counter()
@@ -447,12 +444,9 @@ def flow_grpo_train_sd3(pipeline, prompts: dict, config: FlowGRPOConfig = FlowGR
                             adv = torch.clamp(sample["advantages"][:, j], -config.adv_clip_max,
                                               config.adv_clip_max)
                             ratio = torch.exp(log_prob - sample["log_probs"][:, j])
-                            run.clipfrac.append(torch.mean(
-                                (torch.abs(ratio - 1.0) > config.clip_range).float()).item())
-                            run.log_ratio.append(  # (measurement)
-                                (log_prob - sample["log_probs"][:, j]).abs().max().item())
-                            run.update_steps.append(j)  # (measurement)
-                            run.update_samples.append(rows)  # (measurement)
+                            run.record_call(  # (the script's clipfrac; the rest: measurement)
+                                ratio, log_prob, sample["log_probs"][:, j],
+                                clip_range=config.clip_range, step=j, samples=rows)
                             clipped = torch.clamp(ratio, 1.0 - config.clip_range,
                                                   1.0 + config.clip_range)
                             policy_loss = torch.mean(torch.maximum(-adv * ratio, -adv * clipped))
@@ -471,9 +465,7 @@ def flow_grpo_train_sd3(pipeline, prompts: dict, config: FlowGRPOConfig = FlowGR
                             optimizer.step()
                             optimizer.zero_grad()
         run.update_seconds += time.perf_counter() - start
-    run.params = trainable_state(transformer)
-    if lean is not None:
-        run.stats = lean.stats
+    finish_run(run, transformer)
     unprepare(transformer)
     return run
 
