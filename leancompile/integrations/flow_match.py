@@ -327,6 +327,18 @@ class FlowMatchPolicy(nn.Module):
         per sample), in the layout of ``latents``. Calls the module (``forward``)."""
         return self(latents, step_index, conditions)
 
+    def _negative_first(self, negative: torch.Tensor, prompt: torch.Tensor, *, padded_by: str
+                        ) -> torch.Tensor:
+        """``[negative; prompt]``: the two prompts' embeddings as the one batch classifier-free
+        guidance runs; a ``ValueError`` when their token counts differ (``padded_by``: what pads
+        them to one length in the pipeline)."""
+        if negative.shape[1] != prompt.shape[1]:
+            raise ValueError(
+                f"negative_prompt_embeds has {negative.shape[1]} tokens and prompt_embeds "
+                f"{prompt.shape[1]}; they go through the transformer as one batch, pad both "
+                f"to the same length ({padded_by})")
+        return torch.cat([negative, prompt])
+
     def _guide(self, output: torch.Tensor) -> torch.Tensor:
         """``uncond + g * (cond - uncond)`` on a ``[uncond; cond]`` batch, in float32."""
         output = output.float()

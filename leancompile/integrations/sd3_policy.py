@@ -114,14 +114,9 @@ class SD3Policy(FlowMatchPolicy):
         x = latents.to(dtype)
         prompt, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
         if self.do_classifier_free_guidance:
-            negative = cond["negative_prompt_embeds"]
-            if negative.shape[1] != prompt.shape[1]:
-                raise ValueError(
-                    f"negative_prompt_embeds has {negative.shape[1]} tokens and prompt_embeds "
-                    f"{prompt.shape[1]}; they go through the transformer as one batch, pad both "
-                    f"to the same length (the pipeline's encoders do)")
+            prompt = self._negative_first(cond["negative_prompt_embeds"], prompt,
+                                          padded_by="the pipeline's encoders do")
             x, t = torch.cat([x, x]), torch.cat([t, t])
-            prompt = torch.cat([negative, prompt])
             pooled = torch.cat([cond["negative_pooled_prompt_embeds"], pooled])
         output = self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=prompt,
                                   pooled_projections=pooled, return_dict=False)[0]

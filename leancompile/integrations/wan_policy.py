@@ -148,13 +148,9 @@ class WanPolicy(FlowMatchPolicy):
         cond = self._conditions(conditions, batch, device, dtype)
         x, prompt = latents.to(dtype), cond["prompt_embeds"]
         if self.do_classifier_free_guidance:
-            negative = cond["negative_prompt_embeds"]
-            if negative.shape[1] != prompt.shape[1]:
-                raise ValueError(
-                    f"negative_prompt_embeds has {negative.shape[1]} tokens and prompt_embeds "
-                    f"{prompt.shape[1]}; they go through the transformer as one batch, pad both "
-                    f"to the same length (WanPipeline pads to max_sequence_length)")
-            x, t, prompt = torch.cat([x, x]), torch.cat([t, t]), torch.cat([negative, prompt])
+            prompt = self._negative_first(cond["negative_prompt_embeds"], prompt,
+                                          padded_by="WanPipeline pads to max_sequence_length")
+            x, t = torch.cat([x, x]), torch.cat([t, t])
         if self.expand_timesteps:
             t = t[:, None].expand(t.shape[0], self.num_tokens)
         output = self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=prompt,
