@@ -93,7 +93,7 @@ import torch.fx as fx
 from ..result import PassResult
 from .vocabulary import (AG_SITE, ALL_GATHER, FLASH_MATMULS, PASS_THROUGH, RESHAPES,
                          SAME_LAYOUT, SPLITS, Skip, cat_dim, cat_of, check_divisor,
-                         check_group, data_readers, descendants, describe, divisible,
+                         collective_group, data_readers, descendants, describe, divisible,
                          find_sites, is_cast, is_slice_of, matmul_operand, matmul_operands,
                          node_arg, node_names, node_val, norm_dim, only_wait, ordered_slices,
                          propagate_dims, round_up, same_size, shape_of, split_pieces, swap_dim,
@@ -184,9 +184,7 @@ def find_all_gather_matches(graph: fx.Graph, result: PassResult, *, divisor: int
 def _match_all_gather(ag: fx.Node, divisor: int, allow_other_users: bool,
                       allow_guards: bool, divisor_name: str) -> AllGatherMatch:
     wait = only_wait(ag)
-    group_size = node_arg(ag, 1, "group_size")
-    group_name = node_arg(ag, 2, "group_name")
-    check_group(group_name, group_size)
+    group_size, group_name = collective_group(ag, 1)
     shard = ag.args[0]
 
     moved = _movedim_gather(ag, wait)

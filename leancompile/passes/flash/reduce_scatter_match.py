@@ -82,7 +82,7 @@ import torch.fx as fx
 from ..result import PassResult
 from .attention_match import AttentionRowsMatch, match_attention_rows
 from .vocabulary import (FLASH_MATMULS, PASS_THROUGH, REDUCE_SCATTER, RESHAPES, RS_SITE,
-                         SAME_LAYOUT, SPLITS, Skip, cat_dim, check_divisor, check_group,
+                         SAME_LAYOUT, SPLITS, Skip, cat_dim, check_divisor, collective_group,
                          data_readers, describe, divisible, find_sites, graph_order,
                          is_backward_graph, is_cast, is_transpose, matmul_operand,
                          matmul_operands, node_arg, node_names, node_val, norm_dim, only_wait,
@@ -166,9 +166,7 @@ def _match_reduce_scatter(rs: fx.Node, divisor: int, allow_guards: bool,
                           divisor_name: str) -> ReduceScatterMatch:
     wait = only_wait(rs)
     reduce_op = node_arg(rs, 1, "reduce_op")
-    group_size = node_arg(rs, 2, "group_size")
-    group_name = node_arg(rs, 3, "group_name")
-    check_group(group_name, group_size)
+    group_size, group_name = collective_group(rs, 2)
     if str(reduce_op).lower() != "sum":
         raise Skip(f"reduce op {reduce_op!r} is not supported (sum only)")
 

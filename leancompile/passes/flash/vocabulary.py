@@ -39,11 +39,12 @@ __all__ = [
     "A2A_SITE", "AG_SITE", "ALL_GATHER", "ALL_TO_ALL", "ATTENTION_RS_SITE", "ATTENTION_SITE",
     "FLASH_MATMULS", "LAYOUT", "METADATA", "PASS_THROUGH", "REDUCE_SCATTER", "RESHAPES",
     "RS_SITE", "SAME_LAYOUT", "SPLITS", "TRANSPOSES", "Skip", "cat_dim", "cat_of",
-    "check_divisor", "check_group", "data_readers", "descendants", "describe", "divisible",
-    "find_sites", "graph_order", "is_backward_graph", "is_cast", "is_slice_of", "is_transpose",
-    "matmul_operand", "matmul_operands", "node_arg", "node_names", "node_val", "norm_dim",
-    "only_wait", "ordered_slices", "propagate_dims", "reshape_groups", "round_up",
-    "same_shape", "same_size", "shape_of", "split_pieces", "swap_dim", "unique_in_order",
+    "check_divisor", "check_group", "collective_group", "data_readers", "descendants",
+    "describe", "divisible", "find_sites", "graph_order", "is_backward_graph", "is_cast",
+    "is_slice_of", "is_transpose", "matmul_operand", "matmul_operands", "node_arg",
+    "node_names", "node_val", "norm_dim", "only_wait", "ordered_slices", "propagate_dims",
+    "reshape_groups", "round_up", "same_shape", "same_size", "shape_of", "split_pieces",
+    "swap_dim", "unique_in_order",
 ]
 
 # The kinds of site a report names (``PassResult.rewrite`` / ``skip``).
@@ -124,6 +125,16 @@ def only_wait(collective: fx.Node) -> fx.Node:
         return users[0]
     listed = ", ".join(map(describe, users)) or "none"
     raise Skip(f"wait_tensor is not the only user of the collective (users: {listed})")
+
+
+def collective_group(node: fx.Node, size_index: int) -> tuple:
+    """(group size, group name) of a functional collective whose ``group_size`` argument is at
+    ``size_index`` and ``group_name`` right after it; ``Skip`` unless the name is a live
+    process group of that size."""
+    size = node_arg(node, size_index, "group_size")
+    name = node_arg(node, size_index + 1, "group_name")
+    check_group(name, size)
+    return size, name
 
 
 def check_group(name, size) -> None:
