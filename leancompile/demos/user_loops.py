@@ -117,6 +117,19 @@ def _transition(policy, fn, config, latents, k, conditions, *, noise=None, prev_
                 prev_sample=prev_sample)
 
 
+def _sample(policy, fn, config, x, conditions, steps: int, gen):
+    """One sampling call's trajectories from the initial latents ``x``: every step's latents
+    ``[B, steps + 1, ...]`` and log-probs ``[B, steps]``, the SDE's noise drawn from ``gen``."""
+    traj, lps = [x], []
+    for k in range(steps):
+        index = torch.full((x.shape[0],), k, dtype=torch.long, device=x.device)
+        noise = torch.randn(x.shape, generator=gen).to(x.device)
+        x, lp, _, _ = _transition(policy, fn, config, x, index, conditions, noise=noise)
+        traj.append(x)
+        lps.append(lp)
+    return torch.stack(traj, 1), torch.stack(lps, 1)
+
+
 def _rows(conditions, index):
     return {k: v[index] for k, v in conditions.items()}
 
@@ -203,15 +216,9 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
                 cond = _rows(conditions, slice(b, b + config.sample_batch))
                 rows = next(iter(cond.values())).shape[0]
                 x = policy.initial_latents(rows, gen).float()
-                traj, lps = [x], []
-                for k in range(steps):
-                    index = torch.full((rows,), k, dtype=torch.long, device=x.device)
-                    noise = torch.randn(x.shape, generator=gen).to(x.device)
-                    x, lp, _, _ = _transition(policy, fn, config, x, index, cond, noise=noise)
-                    traj.append(x)
-                    lps.append(lp)
-                trajectories.append(torch.stack(traj, 1))
-                log_probs.append(torch.stack(lps, 1))
+                traj, lps = _sample(policy, fn, config, x, cond, steps, gen)
+                trajectories.append(traj)
+                log_probs.append(lps)
         trajectories, log_probs = torch.cat(trajectories), torch.cat(log_probs)
         advantages = _advantages(trajectories, reward, config, result)
         synchronize(trajectories.device)
@@ -276,14 +283,7 @@ def dance_grpo_loop(policy, fn, config: LoopConfig, *, seed: int = 0,
             x = policy.initial_latents(config.prompts, gen).float()
             x = same_noise_latents(x, config.group_size) if config.init_same_noise else \
                 policy.initial_latents(total, gen).float()
-            traj, lps = [x], []
-            for k in range(steps):
-                index = torch.full((total,), k, dtype=torch.long, device=x.device)
-                noise = torch.randn(x.shape, generator=gen).to(x.device)
-                x, lp, _, _ = _transition(policy, fn, config, x, index, conditions, noise=noise)
-                traj.append(x)
-                lps.append(lp)
-        trajectories, log_probs = torch.stack(traj, 1), torch.stack(lps, 1)
+            trajectories, log_probs = _sample(policy, fn, config, x, conditions, steps, gen)
         advantages = _advantages(trajectories, reward, config, result)
         synchronize(trajectories.device)
         result.rollout_seconds += time.perf_counter() - start
