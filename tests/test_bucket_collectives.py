@@ -194,7 +194,7 @@ def test_buckets_that_interact_give_a_valid_graph():
 def test_overlap_chunks_stay_and_returned_results_are_tensors_of_their_own():
     from leancompile.options import CompileOptions
     from leancompile.passes.bucket_collectives import bucket_collectives_pass
-    from leancompile.passes.flash_overlap import SITE_META
+    from leancompile.passes.flash.splice import SITE_META
 
     def fn(a, b, g1, g2):
         return _gather(a).sum() + _gather(b).sum(), _scatter(g1), _scatter(g2)

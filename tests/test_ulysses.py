@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import leancompile
-from leancompile.passes.flash_all_to_all import A2A_SITE, ATTENTION_SITE
+from leancompile.passes.flash.vocabulary import A2A_SITE, ATTENTION_SITE
 from ranks import from_rank, spawn
 
 HEADS = 4
@@ -505,7 +505,7 @@ def test_unknown_group_is_skipped_with_its_reason():
     """An all-to-all on a group this process does not know (no process group here at all)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from leancompile.passes.flash_all_to_all import find_all_to_all_matches
+    from leancompile.passes.flash.all_to_all import find_all_to_all_matches
     from leancompile.passes.result import PassResult
 
     c10d = torch.ops._c10d_functional

@@ -1,6 +1,7 @@
 """The attention rows a reduce-scatter schedule reads, computed slice by slice
 (``AttentionRows``: the FlashOverlap rewrite of ``attention -> matmul -> reduce_scatter``,
-``passes/flash/attention_rs.py``), and ``cat_like``, a cat that keeps a tensor's memory layout.
+``passes/flash/attention_rewrite.py``), and ``cat_like``, a cat that keeps a tensor's memory
+layout.
 """
 
 from __future__ import annotations

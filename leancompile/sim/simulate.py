@@ -304,7 +304,7 @@ def _run(graph: fx.Graph, index: int, profile: DeviceProfile, timeline: Timeline
 def exposed_by_site(timeline: Timeline, graph: fx.Graph) -> dict[str, float]:
     """Exposed seconds of ``timeline`` (one graph simulated alone) per collective: a wait on a
     collective counts for that collective's node; the P2P steps FlashOverlap put in its place
-    carry the site they came from (``passes/flash_overlap.py``'s ``SITE_META``)."""
+    carry the site they came from (``SITE_META`` of ``passes/flash/splice.py``)."""
     from ..passes.flash.splice import SITE_META
 
     nodes = {n.name: n for n in graph.nodes}
