@@ -327,6 +327,15 @@ class FlowMatchPolicy(nn.Module):
         per sample), in the layout of ``latents``. Calls the module (``forward``)."""
         return self(latents, step_index, conditions)
 
+    def _step_inputs(self, latents, step_index, conditions) -> tuple:
+        """What every policy's ``forward`` starts from, checked: (batch, the transformer's dtype,
+        the step's timesteps ``[batch]``, the conditions in that dtype on the latents'
+        device)."""
+        batch = self._check_latents(latents)
+        dtype = self._model_dtype()
+        t = self._step_values(self.timesteps, step_index, batch)
+        return batch, dtype, t, self._conditions(conditions, batch, latents.device, dtype)
+
     def _negative_first(self, negative: torch.Tensor, prompt: torch.Tensor, *, padded_by: str
                         ) -> torch.Tensor:
         """``[negative; prompt]``: the two prompts' embeddings as the one batch classifier-free

@@ -131,10 +131,8 @@ class FluxPolicy(FlowMatchPolicy):
         return ids.reshape(rows * cols, 3).to(dtype)
 
     def forward(self, latents, step_index, conditions):
-        batch = self._check_latents(latents)
-        dtype, device = self._model_dtype(), latents.device
-        t = self._step_values(self.timesteps, step_index, batch)
-        cond = self._conditions(conditions, batch, device, dtype)
+        batch, dtype, t, cond = self._step_inputs(latents, step_index, conditions)
+        device = latents.device
         prompt_embeds = cond["prompt_embeds"]
         guidance = None
         if self.base_transformer.config.guidance_embeds:

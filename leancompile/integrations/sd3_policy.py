@@ -107,10 +107,7 @@ class SD3Policy(FlowMatchPolicy):
         return shapes
 
     def forward(self, latents, step_index, conditions):
-        batch = self._check_latents(latents)
-        dtype, device = self._model_dtype(), latents.device
-        t = self._step_values(self.timesteps, step_index, batch)
-        cond = self._conditions(conditions, batch, device, dtype)
+        _, dtype, t, cond = self._step_inputs(latents, step_index, conditions)
         x = latents.to(dtype)
         prompt, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
         if self.do_classifier_free_guidance:

@@ -142,10 +142,7 @@ class WanPolicy(FlowMatchPolicy):
         return shapes
 
     def forward(self, latents, step_index, conditions):
-        batch = self._check_latents(latents)
-        dtype, device = self._model_dtype(), latents.device
-        t = self._step_values(self.timesteps, step_index, batch)
-        cond = self._conditions(conditions, batch, device, dtype)
+        _, dtype, t, cond = self._step_inputs(latents, step_index, conditions)
         x, prompt = latents.to(dtype), cond["prompt_embeds"]
         if self.do_classifier_free_guidance:
             prompt = self._negative_first(cond["negative_prompt_embeds"], prompt,
