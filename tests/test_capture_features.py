@@ -1,4 +1,4 @@
-"""Graph features real policies trace, through LeanGRPO's capture (``leancompile/capture.py``):
+"""Graph features real policies trace, through LeanGRPO's capture (``leancompile/capture/``):
 ops with side effects (AOTAutograd's effect tokens) and activation checkpointing, with and
 without a random op inside the checkpointed region.
 

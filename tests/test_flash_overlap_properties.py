@@ -464,7 +464,7 @@ def test_rewrite_equals_the_original_or_skips_with_a_reason(pool, ex):
 
 # Found by the local profile: ``mark_dynamic`` on the rows of ``x @ w + b`` fed to a
 # reduce-scatter, with as many rows (4) as the bias has elements. The matcher compares the shapes
-# of the add's operands with ``==`` (``_sum_of_matmuls`` in flash_overlap_match.py): ``s0 == 4``
+# of the add's operands with ``==`` (the sum-of-matmuls check in passes/flash/reduce_scatter_match.py): ``s0 == 4``
 # on SymInts adds the guard ``Eq(s0, 4)``, which specializes the marked size, and Dynamo raises
 # ConstraintViolationError after the backend returns (the plain compile runs).
 FOUND_MARKED_ROWS_SPECIALIZED = {

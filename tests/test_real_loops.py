@@ -14,8 +14,8 @@ gradient by ~1e-2, 450x the fp32 tolerance).
 Sharing: every (loop, backend, precision) compiles one plain and one wrapped transformer; the
 wrapped one runs the loop once per schedule (``rollout(schedule=...)``: the captured graphs do
 not depend on the schedule), its trainable weights put back in place before each run.
-``lean_compile``'s Inductor graphs are compiled without Inductor's caches (``capture.py``), so
-each wrapper pays its whole compile every run of the file.
+``lean_compile``'s Inductor graphs go through Inductor's FX graph cache like plain
+``torch.compile``'s (``capture/compile.py``).
 
 Tolerances (relative L2 over all trainable parameters at once) measured on the 2-core CPU
 machine, torch 2.13:
