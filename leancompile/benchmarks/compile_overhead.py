@@ -9,6 +9,8 @@ ours / plain - 1, by median and by min, and the pipeline's own time (below). Mod
 * ``flux``: the velocity of a tiny diffusers FLUX policy (1 double + 1 single block, the
   ``bench grpo`` model shrunk); no pass rewrites anything there, so this is the price of
   running the pipeline at all (canonicalisation, matching, the report's graph snapshots).
+* ``mlp``: a two-layer MLP in one process (not in the default set): the measurement's own
+  mechanics in a few seconds.
 * ``block``: the TP+SP transformer block of ``demo overlap`` (attention + MLP, DTensor
   ``parallelize_module``) on 2 gloo ranks, with ``overlap="flash"``: the passes rewrite 10
   sites (4 forward, 6 backward; the overhead includes that work).
@@ -46,6 +48,13 @@ import time
 import torch
 
 __all__ = ["main", "measure", "verdict"]
+
+
+def _mlp_step():
+    """A two-layer MLP and its argument: the smallest step with a forward and a backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    return model, {"input": torch.randn(4, 8)}
 
 
 def _flux_step():
@@ -165,17 +174,20 @@ def _distributed_worker(rank, world, init, out, models, compilers, rounds):
 
 
 MODELS = ("flux", "block", "tpsp")
+"""The default set; ``mlp`` is also accepted."""
+_ONE_PROCESS = {"flux": _flux_step, "mlp": _mlp_step}
 
 
 def measure(models=MODELS, compilers=("aot_eager", "inductor"), rounds: int = 3) -> dict:
     """``{model: {compiler: {plain_s, ours_s, overhead, ...}}}``."""
-    unknown = sorted(set(models) - set(MODELS))
+    unknown = sorted(set(models) - set(MODELS) - set(_ONE_PROCESS))
     if unknown:
-        raise ValueError(f"unknown model(s) {unknown}; use some of {MODELS}")
+        raise ValueError(f"unknown model(s) {unknown}; use some of {MODELS + ('mlp',)}")
     report = {}
-    if "flux" in models:
-        report["flux"] = {c: _rounds(_flux_step, c, rounds) for c in compilers}
-    distributed = tuple(m for m in models if m != "flux")
+    for model in models:
+        if model in _ONE_PROCESS:
+            report[model] = {c: _rounds(_ONE_PROCESS[model], c, rounds) for c in compilers}
+    distributed = tuple(m for m in models if m not in _ONE_PROCESS)
     if distributed:
         import torch.multiprocessing as mp
 
