@@ -1,6 +1,8 @@
 """``leancompile/runtime/vmap_ops.py`` on hand-built graphs (no process group needed: the graphs
-are rewritten and inspected, not run; the 2- and 4-rank GRPO tests in test_ulysses.py run them)."""
+are rewritten and inspected, not run; the 2- and 4-rank GRPO tests in test_ulysses.py run them;
+the size reads' graph runs under vmap)."""
 
+import pytest
 import torch
 import torch.fx as fx
 
@@ -55,3 +57,24 @@ def test_deferred_reductions_leave_data_movement_in_and_refuse_reductions():
     assert [names[n] for n in found.compute] == ["_c10d_functional.all_to_all_single.default"]
     stuck = [n for n, _ in found.skipped if n not in found.compute]
     assert [names[n] for n in stuck] == ["_c10d_functional.all_reduce.default"] * 2
+
+
+def test_size_reads_of_a_symbolic_graph_batch_under_vmap():
+    """A backward traced with a symbolic batch may read a size off a tensor
+    (``aten.sym_size.int``; found on tiny Wan with CFG, where the order of two ``cat`` calls in
+    the policy decided it): vmap has no rule for it; ``vmap_friendly`` reads it per row."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from leancompile.runtime.vmap_ops import vmap_friendly
+
+    def f(x):
+        return x * x.shape[0] + x.reshape(x.shape[0] * x.shape[1]).sum() / x.numel()
+
+    gm = make_fx(f, tracing_mode="symbolic")(torch.randn(3, 4))
+    assert any(n.target is torch.ops.aten.sym_size.int for n in gm.graph.nodes)
+    rows = torch.randn(5, 2, 4)
+    with pytest.raises(RuntimeError, match="Batching rule not implemented for aten::sym_size"):
+        torch.func.vmap(gm)(rows)
+    vmap_friendly(gm)
+    torch.testing.assert_close(torch.func.vmap(gm)(rows), torch.stack([f(r) for r in rows]),
+                               rtol=0, atol=0)

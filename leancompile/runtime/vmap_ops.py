@@ -129,6 +129,29 @@ VMAP_REPLACEMENTS = {
 """aten op -> the same op with a batching rule (same arguments)."""
 
 
+def tensor_size(x: torch.Tensor, dim: int):
+    """``x.size(dim)``: under vmap, the size of one row's tensor (``aten.sym_size.int`` has no
+    batching rule; the method reads the logical shape vmap shows)."""
+    return x.size(dim)
+
+
+def tensor_stride(x: torch.Tensor, dim: int):
+    """``x.stride(dim)``, as ``tensor_size`` (``aten.sym_stride.int``)."""
+    return x.stride(dim)
+
+
+def tensor_numel(x: torch.Tensor):
+    """``x.numel()``, as ``tensor_size`` (``aten.sym_numel.default``)."""
+    return x.numel()
+
+
+SIZE_READS = {_aten.sym_size.int: tensor_size, _aten.sym_stride.int: tensor_stride,
+              _aten.sym_numel.default: tensor_numel}
+"""The size-reading ops a backward graph with symbolic sizes calls on its tensors (when the
+batch size reaches it through a tensor, not an argument; a change of op order in the model
+decides which), as the tensor methods vmap answers per row."""
+
+
 def _is_collective(node) -> bool:
     """A functional collective (not its wait: it belongs to its collective) or a FlashOverlap
     P2P op."""
@@ -141,14 +164,16 @@ def _is_collective(node) -> bool:
 
 def vmap_friendly(gm) -> None:
     """Swap, in place, the ops of ``gm`` that vmap cannot batch for their twins with a rule
-    (``VMAP_REPLACEMENTS``, and a functional all-to-all with its single wait for
-    ``leancompile::all_to_all_single``)."""
+    (``VMAP_REPLACEMENTS``; the size reads ``SIZE_READS`` for tensor methods; a functional
+    all-to-all with its single wait for ``leancompile::all_to_all_single``)."""
     waits = (_funcol.wait_tensor.default,)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
         if node.target in VMAP_REPLACEMENTS:
             node.target = VMAP_REPLACEMENTS[node.target]
+        elif node.target in SIZE_READS:
+            node.target = SIZE_READS[node.target]
         elif node.target is _funcol.all_to_all_single.default and len(node.users) == 1 and \
                 next(iter(node.users)).target in waits:
             wait = next(iter(node.users))
