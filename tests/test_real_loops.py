@@ -208,8 +208,8 @@ def _cases(loop):
         marks = []
         if case not in cases:
             marks.append(pytest.mark.skipif(not SLOW, reason=(
-                "bf16 under Inductor: the wrapper's uncached Inductor compiles of the autocast "
-                "graphs take 2-5 minutes here; set LEANCOMPILE_REAL_LOOPS_SLOW=1")))
+                "bf16 under Inductor: the Inductor compiles of the autocast graphs (cache empty) "
+                "take 2-5 minutes here; set LEANCOMPILE_REAL_LOOPS_SLOW=1")))
         params.append(pytest.param(*case, id="-".join(case), marks=marks))
     return params
 
