@@ -85,7 +85,7 @@ def test_flow_grpo_loop_retain_equals_the_plain_loop(request, level, model):
     """Samples shuffled across the rollout's sampling batches, re-batched with 2 rows where
     sampling used 4, timesteps permuted per sample, PPO, accumulation, clipping, AdamW; three
     iterations (parameters compared after each)."""
-    flux = request.getfixturevalue(model)
+    policy = request.getfixturevalue(model)
     config = dataclasses.replace(FLOW, level=level, iterations=3)
     # Model level: against the loop compiled without a schedule (Retain runs the rollout's
     # own forward graph and its backward); step level: against eager. Not bitwise: Retain's
@@ -94,8 +94,9 @@ def test_flow_grpo_loop_retain_equals_the_plain_loop(request, level, model):
     # batch size (bitwise on the Intel Xeon machines; relative L2 1.8e-7 on AMD EPYC, torch
     # 2.11 and 2.13). test_bf16.py's wrapper test is bitwise.
     compiled = level == "model"
-    reference, _ = run(flux, flow_grpo_loop, config, compiler="aot_eager" if compiled else None)
-    result, step = run(flux, flow_grpo_loop, config, "retain")
+    reference, _ = run(policy, flow_grpo_loop, config,
+                       compiler="aot_eager" if compiled else None)
+    result, step = run(policy, flow_grpo_loop, config, "retain")
     assert_same(result, reference, 1e-6)
     # Every update call was served by the rollout: not one forward ran.
     assert step.stats.forwards_run == 0, step.stats.summary()

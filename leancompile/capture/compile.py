@@ -47,11 +47,11 @@ def _compiled(graph, phase, compiler, graph_pass):
         graph_pass.run(graph, phase=phase)  # regenerates the code once, after the passes
         run = frameless(graph)  # no Python frame per op (runtime/frameless.py)
         return lambda args: run(*args)
+    from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
     from torch._inductor.virtualized import V
-
-    from torch._dynamo.utils import counters
 
     fakes = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"]
     fake_mode = next((v.fake_mode for v in fakes if hasattr(v, "fake_mode")), None)
@@ -66,8 +66,6 @@ def _compiled(graph, phase, compiler, graph_pass):
         # the graph as Inductor hands it to its post-grad passes (views as reshapes, dead code
         # out), for what it records (the report, the LeanGRPO stage's row layouts) and not
         # for the code.
-        from torch._inductor.fx_passes.post_grad import view_to_reshape
-
         view_to_reshape(graph)
         graph.graph.eliminate_dead_code()
         graph_pass(graph.graph, is_inference=phase == "inference")
