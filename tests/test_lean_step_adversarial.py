@@ -552,3 +552,30 @@ def test_inductor_cache_hit_plans_and_computes_as_a_fresh_compile(base, tmp_path
                 for r in step.reports for g in r.graphs]
     assert records(second) == records(first) and any(
         name == "lean_grpo" and n for _, passes in records(first) for name, n, _ in passes)
+
+
+def test_reweight_served_from_the_inductor_cache_regroups_rows_as_compiled(base, tmp_path,
+                                                                           monkeypatch):
+    """Reweight reads the row layouts the pipeline records on the forward graph; a second
+    wrapped copy of the step (a user's second run, or a reference copy) is served from
+    Inductor's cache, where the pipeline runs only for that record: its per-row gradients over
+    regrouped rows still equal eager's."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    reference = copy.deepcopy(base)
+    ref = _reweight_loop(reference, _log_prob_step(reference), None, plan=REGROUPED)
+    hits = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        before = counters["inductor"]["fxgraph_cache_hit"]
+        model = copy.deepcopy(base)
+        step = leancompile.lean_compile(_log_prob_step(model), backend="inductor",
+                                        schedule="reweight")
+        with torch._inductor.config.patch(fx_graph_cache=True):
+            got = _reweight_loop(model, step, step, plan=REGROUPED)
+        hits.append(counters["inductor"]["fxgraph_cache_hit"] - before)
+        assert step.stats.mechanisms == {"per-row gradients": len(REGROUPED)}, \
+            step.stats.summary()
+        assert _rel(got, ref) <= 1e-5, _rel(got, ref)
+    assert hits[0] == 0 and hits[1] >= 2, hits
