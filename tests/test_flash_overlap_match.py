@@ -397,6 +397,30 @@ def test_skip_unsupported_reduce_op(group):
         "reduce op 'avg' is not supported (sum only)"]
 
 
+def test_autocast_sum_of_cast_products_is_one_site_and_another_dtype_is_skipped(group):
+    """Autocast's input gradient of projections sharing one fp32 input: each bf16 product cast
+    to fp32, then summed (``term_casts``). A term cast through float16 first would round where
+    the rewrite does not: skipped, with the cast named."""
+    def summed(dy1, dy2, w1, w2):
+        s = (dy1 @ w1).to(torch.float32) + (dy2 @ w2).to(torch.float32)
+        return reduce_scatter_single(s, "sum", 0, group)
+
+    def through_half(dy1, dy2, w1, w2):
+        s = (dy1 @ w1).to(torch.float16).to(torch.float32) + (dy2 @ w2).to(torch.float32)
+        return reduce_scatter_single(s, "sum", 0, group)
+
+    args = [torch.randn(8, 4, dtype=torch.bfloat16) for _ in range(2)] + [
+        torch.randn(4, 16, dtype=torch.bfloat16) for _ in range(2)]
+    _, rss, result = find(make_fx(summed, tracing_mode="fake")(*args))
+    [rs] = rss
+    assert result.skipped == [] and len(rs.terms) == 2 and len(rs.term_casts) == 2
+    assert [mm.target for mm, _ in rs.terms] == [aten.mm.default] * 2
+    _, rss, result = find(make_fx(through_half, tracing_mode="fake")(*args))
+    [reason] = reasons(result, RS_SITE)
+    assert rss == [] and "casts a summed matmul's result to torch.float16, not to the sum's " \
+        "torch.float32" in reason, reason
+
+
 def test_skip_reduce_scatter_not_fed_by_an_exclusive_matmul(group):
     def not_a_matmul(x):
         return reduce_scatter_single(torch.relu(x), "sum", 0, group)

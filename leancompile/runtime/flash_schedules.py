@@ -185,7 +185,8 @@ def flash_matmul_reduce_scatter(h: Tensor | Sequence[Tensor], w: Tensor | Sequen
                                 group_name: str, scatter_dim: int = 0, variant: str = "ring",
                                 chunks_per_rank: int = 1,
                                 bias: Tensor | Sequence[Tensor | None] | None = None,
-                                out_dtype: torch.dtype | None = None) -> Tensor:
+                                out_dtype: torch.dtype | None = None,
+                                term_dtype: torch.dtype | None = None) -> Tensor:
     """``reduce_scatter_tensor(h @ w (+ bias), "sum", scatter_dim)`` with the reduce-scatter
     decomposed into P2P steps (``flash_rs_steps``): ``variant="ring"`` accumulates along the
     ring, ``"direct"`` sends every partial to its owner and sums locally. Every rank adds
@@ -193,7 +194,10 @@ def flash_matmul_reduce_scatter(h: Tensor | Sequence[Tensor], w: Tensor | Sequen
     product is cast to it before it is sent or summed (autocast's fp32 reduce-scatter of a
     bf16 matmul: ``reduce_scatter((h @ w).float())``). Sequences ``h``, ``w`` (and ``bias``)
     reduce-scatter a sum of matmuls, ``h[0] @ w[0] + h[1] @ w[1] + ...`` summed left to right
-    (the input gradient of a gate/up or Q/K/V projection pair sharing one gather).
+    (the input gradient of a gate/up or Q/K/V projection pair sharing one gather);
+    ``term_dtype``: each term's product is cast to it before the terms are summed (autocast's
+    input gradient of bf16 projections of one fp32 input, ``mm_q.float() + mm_k.float() +
+    mm_v.float()``).
 
     ``h``: (..., K), ``w``: (K, N). ``scatter_dim`` is a dim of the output (the last one slices
     the columns of ``w``). The result equals the collective up to float summation order (see
@@ -207,11 +211,12 @@ def flash_matmul_reduce_scatter(h: Tensor | Sequence[Tensor], w: Tensor | Sequen
     terms = rs_terms(fn, h, w, bias)
     d, size = check_rs_terms(fn, terms, scatter_dim, n, m, "chunks_per_rank")
     if n == 1:
-        return partial_product(terms, d, [(0, size)], out_dtype)
+        return partial_product(terms, d, [(0, size)], out_dtype, term_dtype)
     length = size // (n * m)
 
     def partial(s: tuple[int, int]) -> Tensor:
-        return partial_product(terms, d, [((s[0] * m + s[1]) * length, length)], out_dtype)
+        return partial_product(terms, d, [((s[0] * m + s[1]) * length, length)], out_dtype,
+                               term_dtype)
 
     trace = flash_rs_steps(rank, n, m, variant)
     pending = {}  # tag -> (exchange, partials computed since it was posted)

@@ -118,10 +118,12 @@ def check_rs_terms(fn: str, terms, scatter_dim: int, n: int, pieces: int,
 
 
 def partial_product(terms: list[tuple[Tensor, Tensor, Tensor | None]], d: int, ranges,
-                    out_dtype: torch.dtype | None = None) -> Tensor:
+                    out_dtype: torch.dtype | None = None,
+                    term_dtype: torch.dtype | None = None) -> Tensor:
     """The rows (or, for the last dim, the columns) ``ranges`` = [(start, length)] of
     h_0 @ w_0 + b_0 + h_1 @ w_1 + b_1 + ... (summed left to right) along output dim d,
-    concatenated in that order, cast to ``out_dtype`` when given."""
+    concatenated in that order, each term cast to ``term_dtype`` before the sum and the sum to
+    ``out_dtype``, when given."""
     total = None
     for h, w, b in terms:
         if d == h.dim() - 1:
@@ -130,6 +132,8 @@ def partial_product(terms: list[tuple[Tensor, Tensor, Tensor | None]], d: int, r
             y = _linear(h, wc, bc)
         else:
             y = _linear(cat_pieces([h.narrow(d, s, n) for s, n in ranges], d), w, b)
+        if term_dtype is not None:
+            y = y.to(term_dtype)
         total = y if total is None else total + y
     return total if out_dtype is None else total.to(out_dtype)
 

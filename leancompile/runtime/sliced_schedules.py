@@ -91,8 +91,10 @@ def _sliced_ag(shard: Tensor, d: int, chunks: int, group_name: str, compute, *, 
 def sliced_matmul_reduce_scatter(h: Tensor | Sequence[Tensor], w: Tensor | Sequence[Tensor], *,
                                  group_name: str, scatter_dim: int = 0, chunks: int = 2,
                                  bias: Tensor | Sequence[Tensor | None] | None = None,
-                                 out_dtype: torch.dtype | None = None) -> Tensor:
-    """The data-slicing baseline of ``flash_matmul_reduce_scatter``: for each of ``chunks``
+                                 out_dtype: torch.dtype | None = None,
+                                 term_dtype: torch.dtype | None = None) -> Tensor:
+    """The data-slicing baseline of ``flash_matmul_reduce_scatter`` (``out_dtype`` and
+    ``term_dtype`` as there): for each of ``chunks``
     pieces of every rank's output slice, compute that piece's partial (all owners at once) and
     post an async ``reduce_scatter_tensor`` before computing the next piece; wait all at the end
     (the last reduce-scatter is exposed)."""
@@ -101,12 +103,12 @@ def sliced_matmul_reduce_scatter(h: Tensor | Sequence[Tensor], w: Tensor | Seque
     terms = rs_terms(fn, h, w, bias)
     d, size = check_rs_terms(fn, terms, scatter_dim, n, chunks, "chunks")
     if n == 1:
-        return partial_product(terms, d, [(0, size)], out_dtype)
+        return partial_product(terms, d, [(0, size)], out_dtype, term_dtype)
     length = size // (n * chunks)
     started = []
     for c in range(chunks):
         part = partial_product(terms, d, [((j * chunks + c) * length, length) for j in range(n)],
-                               out_dtype)
+                               out_dtype, term_dtype)
         started.append(_c10d().reduce_scatter_tensor(
             part.movedim(d, 0).contiguous(), "sum", n, group_name))
     return cat_pieces([_c10d().wait_tensor(t).movedim(0, d) for t in started], d)

@@ -56,7 +56,7 @@ __all__ = ["AUTO_KEPT_REASON", "NAME", "ON_ERROR_ENV", "VERSION", "flash_overlap
 log = logging.getLogger("leancompile")
 
 NAME = "flash_overlap"
-VERSION = 6
+VERSION = 7
 
 aten = torch.ops.aten
 

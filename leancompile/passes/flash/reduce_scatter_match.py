@@ -36,7 +36,12 @@ FSDP-style backward; DTensor puts transposes and a view between)::
     o  = wait_tensor(rs)
 
 A sum of matmuls (the input gradient of projections that share one gathered input: gate/up,
-Q/K/V) is one site, its terms in ``terms``.
+Q/K/V) is one site, its terms in ``terms``. Under autocast each term is a bf16 product cast to
+the fp32 of the sum (the fp32 input was cast once per projection), the casts in
+``term_casts``::
+
+    s  = add(add(_to_copy(mm_q, f32), _to_copy(mm_k, f32)), _to_copy(mm_v, f32))
+    o  = wait_tensor(reduce_scatter_tensor(s, "sum", N, "0"))
 
 What a match records. The nodes of the collective and its wait; the group name and size; the
 logical scatter dim and the logical tensor's shape; the split/getitem/slice/cat nodes of
@@ -130,6 +135,10 @@ class ReduceScatterMatch:
     summation order (``matmul`` is the first term's; ``via`` then runs from the last add, which
     ``adds`` holds with the others, to ``reduced``). Empty for one matmul."""
     adds: tuple[fx.Node, ...] = ()
+    term_casts: tuple[fx.Node, ...] = ()
+    """The dtype casts inside the terms of a sum (autocast: each bf16 product cast to the fp32
+    of the sum before the add); the rewrite casts each term's partial product to the sum's
+    dtype before adding."""
     scattered: fx.Node | None = None
     """The node holding the result in ``reduced``'s layout when that is not ``wait`` (the
     movedim back of torchtitan's spelling); None: ``wait``."""
@@ -325,9 +334,10 @@ def _sum_of_matmuls(node: fx.Node):
 
 
 def _matmul_term(node: fx.Node):
-    """(matmul, reshape nodes from it to ``node``) or None."""
+    """(matmul, reshape and cast nodes from it to ``node``) or None (autocast casts each bf16
+    term to the fp32 of the sum: ``add(_to_copy(mm_q, f32), _to_copy(mm_k, f32))``)."""
     chain = []
-    while node.op == "call_function" and node.target in RESHAPES:
+    while node.op == "call_function" and (node.target in RESHAPES or is_cast(node)):
         chain.append(node)
         node = node.args[0]
     if node.op == "call_function" and node.target in FLASH_MATMULS:
@@ -366,12 +376,26 @@ def _match_sum(rs, summed, via, reduced, scatter_dim, reassembly, wait, reduce_o
                             f"scatter dim {scatter_dim}", allow_guards, divisor_name)
     casts = tuple(n for n in via if is_cast(n))
     _check_sum_layout(terms, via, casts, reduced)
+    term_casts = _term_casts(terms, adds[0])
     return _scattered(ReduceScatterMatch(
         kind="rs_output", matmul=terms[0][0], dim="M", via=via, reduced=reduced,
         reassembly=reassembly, reduce_scatter=rs, wait=wait, reduce_op=str(reduce_op),
         scatter_dim=scatter_dim, group_name=group_name, group_size=group_size, shape=shape,
         needs_guard=needs_guard, dims=(), casts=casts, terms=tuple(terms), adds=tuple(adds),
-        scattered=scattered))
+        term_casts=term_casts, scattered=scattered))
+
+
+def _term_casts(terms, add: fx.Node) -> tuple[fx.Node, ...]:
+    """The casts inside the terms of a sum; ``Skip`` unless each one casts to the sum's dtype
+    (the rewrite casts every term's partial product to that dtype before summing)."""
+    dtype = node_val(add).dtype
+    casts = tuple(n for _, term_via in terms for n in term_via if is_cast(n))
+    for cast in casts:
+        if node_val(cast).dtype != dtype:
+            raise Skip(f"{cast.name} casts a summed matmul's result to {node_val(cast).dtype}, "
+                       f"not to the sum's {dtype} (a sum is rewritten with its terms cast to "
+                       "its own dtype)")
+    return casts
 
 
 def _check_sum_layout(terms, via: tuple, casts: tuple, reduced: fx.Node) -> None:
@@ -384,7 +408,8 @@ def _check_sum_layout(terms, via: tuple, casts: tuple, reduced: fx.Node) -> None
         if matmul_operands(matmul) is None:
             raise Skip(f"{matmul.name} is an addmm with alpha/beta != 1")
         mm_shape = tuple(node_val(matmul).shape)
-        if not all(n.target in RESHAPES for n in (*term_via, *layout)) or \
+        term_layout = [n for n in term_via if not is_cast(n)]
+        if not all(n.target in RESHAPES for n in (*term_layout, *layout)) or \
                 mm_shape != (rows, reduced_shape[-1]):
             raise Skip(f"the layout between {matmul.name} {mm_shape} and the reduce-scatter "
                        f"input {reduced_shape} is not a reshape of the leading dims (a sum of "

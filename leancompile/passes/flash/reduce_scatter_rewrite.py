@@ -122,6 +122,10 @@ def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *
 
         add(view(mm(dy1, w1t)), view(mm(dy3, w3t))) -> [split+cat] -> reduce_scatter -> wait
         =>  flash_matmul_reduce_scatter([dy1, dy3], [w1t, w3t], ...)
+
+    Terms cast before the add (autocast, ``match.term_casts``): every term's partial product
+    is cast to the sum's dtype before the partials are added (``term_dtype``), as the graph
+    cast each whole product.
     """
     reduced_shape = tuple(node_val(match.reduced).shape)
     inputs, counts = [], []
@@ -132,6 +136,7 @@ def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *
         counts.append(len(term))
     group, dim, m = match.group_name, match.scatter_dim, chunks_per_rank
     out_dtype = node_val(match.reduced).dtype if match.casts else None
+    term_dtype = node_val(match.adds[0]).dtype if match.term_casts else None
 
     def schedule(*args):
         hs, ws, bs, at = [], [], [], 0
@@ -144,6 +149,7 @@ def _rewrite_sum_reduce_scatter(gm: fx.GraphModule, match: ReduceScatterMatch, *
         return run(hs, ws, bs)
 
     run = _rs_schedule(overlap, group_name=group, scatter_dim=dim, chunks=chunks,
-                       variant=variant, chunks_per_rank=m, out_dtype=out_dtype)
+                       variant=variant, chunks_per_rank=m, out_dtype=out_dtype,
+                       term_dtype=term_dtype)
     products = [*match.adds, *(n for mm, via in match.terms for n in (mm, *via))]
     return _place_reduce_scatter(gm, match, schedule, inputs, products, result)
