@@ -9,9 +9,9 @@ projection's bf16 input gradient cast back to fp32, and sums those::
 
 In fp32 the same site is a sum of matmuls; in bf16 it was skipped ("produced by aten.add.Tensor
 ..., not by a matmul") until the matcher took casts inside the terms (``term_casts``). Two gloo
-ranks, a functional-collective attention block and DTensor's TP+SP gated MLP, both compilers:
-the backward's sum site rewritten, every value equal to the compile without the pass (two ranks
-add two partials: the ring's order and gloo's give the same fp32 sum).
+ranks, a functional-collective attention block and DTensor's TP+SP gated MLP (``CASES``): the
+backward's sum site rewritten, every value equal to the compile without the pass (two ranks add
+two partials: the ring's order and gloo's give the same fp32 sum).
 """
 
 import json
@@ -28,6 +28,9 @@ from compat import all_gather_single, reduce_scatter_single
 from ranks import spawn
 
 RS_SITE = "mm+reduce_scatter"
+CASES = [("qkv", "aot_eager"), ("qkv", "inductor"), ("gated", "aot_eager")]
+"""The attention block under both compilers (the schedule's casts through Inductor's codegen);
+DTensor's spelling of the sum under one (the match is the same graph for both)."""
 
 
 class QKVBlock(nn.Module):
@@ -74,47 +77,40 @@ def _worker(rank, world, init_file, out_dir):
     torch._functorch.config.enable_autograd_cache = False
     records = {}
     try:
-        for name in ("qkv", "gated"):
-            for compiler in ("aot_eager", "inductor"):
-                torch.manual_seed(0)
-                if name == "qkv":
-                    model = QKVBlock(dist.group.WORLD)
-                    x = torch.randn(8, 16)
-                else:
-                    model = _gated(world)
-                    x = torch.randn(2, 8 // world, 16)  # (batch, local sequence, dim)
-                runs = {}
-                for overlap in ("eager", None, "flash"):
-                    torch._dynamo.reset()
-                    for p in model.parameters():
-                        p.grad = None
-                    xi = x.clone().requires_grad_()
-                    options = {"overlap": overlap} if overlap else {}
-                    step = model if overlap == "eager" else torch.compile(
-                        model, backend=leancompile.backend(compiler=compiler, **options))
-                    if name == "gated":
-                        ctx = torch.autocast("cpu", dtype=torch.bfloat16)
-                    else:
-                        ctx = torch.autocast("cpu", enabled=False)
-                    with ctx:
-                        out = step(xi)
-                    out = out.to_local() if hasattr(out, "to_local") else out
-                    out.float().pow(2).sum().backward()
-                    grads = [xi.grad] + [p.grad.to_local() if hasattr(p.grad, "to_local")
-                                         else p.grad for p in model.parameters()]
-                    runs[overlap] = [out.detach().float()] + [g.float() for g in grads]
-                    if overlap == "flash":
-                        report = leancompile.last_report()
-                        runs["report"] = {g.name: {
-                            "rewritten": [s.kind for p in g.passes for s in p.rewritten
-                                          if p.name == "flash_overlap"],
-                            "skipped": [s.reason for p in g.passes for s in p.skipped
-                                        if p.name == "flash_overlap"]} for g in report.graphs}
-                records[f"{name}-{compiler}"] = {
-                    "diff": _rel(runs["flash"], runs[None]),
-                    "flash_vs_eager": _rel(runs["flash"], runs["eager"]),
-                    "plain_vs_eager": _rel(runs[None], runs["eager"]),
-                    "report": runs["report"]}
+        for name, compiler in CASES:
+            torch.manual_seed(0)
+            if name == "qkv":
+                model = QKVBlock(dist.group.WORLD)
+                x = torch.randn(8, 16)
+            else:
+                model = _gated(world)
+                x = torch.randn(2, 8 // world, 16)  # (batch, local sequence, dim)
+            runs = {}
+            for overlap in (None, "flash"):
+                torch._dynamo.reset()
+                for p in model.parameters():
+                    p.grad = None
+                xi = x.clone().requires_grad_()
+                options = {"overlap": overlap} if overlap else {}
+                step = torch.compile(model, backend=leancompile.backend(compiler=compiler,
+                                                                         **options))
+                # (the attention block enters autocast itself, after its fp32 gather)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "gated"):
+                    out = step(xi)
+                out = out.to_local() if hasattr(out, "to_local") else out
+                out.float().pow(2).sum().backward()
+                grads = [xi.grad] + [p.grad.to_local() if hasattr(p.grad, "to_local")
+                                     else p.grad for p in model.parameters()]
+                runs[overlap] = [out.detach().float()] + [g.float() for g in grads]
+                if overlap == "flash":
+                    report = leancompile.last_report()
+                    runs["report"] = {g.name: {
+                        "rewritten": [s.kind for p in g.passes for s in p.rewritten
+                                      if p.name == "flash_overlap"],
+                        "skipped": [s.reason for p in g.passes for s in p.skipped
+                                    if p.name == "flash_overlap"]} for g in report.graphs}
+            records[f"{name}-{compiler}"] = {"diff": _rel(runs["flash"], runs[None]),
+                                             "report": runs["report"]}
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(records, f)
@@ -128,15 +124,13 @@ def ranks(tmp_path_factory):
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("case", ["qkv-aot_eager", "qkv-inductor", "gated-aot_eager",
-                                  "gated-inductor"])
+@pytest.mark.parametrize("case", [f"{name}-{compiler}" for name, compiler in CASES])
 def test_bf16_sum_of_input_gradients_is_rewritten(ranks, case):
-    """Values: equal to the compile without the pass (measured 0: aot_eager, and Inductor on
-    the attention block, where the backward's sum is the only bf16 site Inductor fuses
-    differently); the DTensor gated MLP under Inductor moves by up to 6e-3 of scale (its fused
-    bf16 forward, output included: a sliced matmul is another kernel with its own rounding),
-    so there, as for every bf16 Inductor site (``test_flash_overlap_safety.py``), flash's error
-    against eager must be within twice the plain compile's or two bf16 rounding steps."""
+    """Values: equal to the compile without the pass (measured 0), output and every gradient.
+    The gated MLP under Inductor, measured once by hand (2026-12-06) and not kept (the same
+    match as under aot_eager, the same schedule code as the attention block under Inductor):
+    its sum site rewritten, values within the bf16 rule of ``test_flash_overlap_safety.py``
+    (its fused bf16 forward moves by up to 6e-3 of scale, the output included)."""
     for rank, records in enumerate(ranks):
         rec = records[case]
         backward = next(v for k, v in rec["report"].items() if "backward" in k)
@@ -144,8 +138,4 @@ def test_bf16_sum_of_input_gradients_is_rewritten(ranks, case):
         # nothing skipped.
         assert backward["skipped"] == [], (rank, case, backward)
         assert RS_SITE in backward["rewritten"], (rank, case, backward)
-        if case == "gated-inductor":
-            for f, p in zip(rec["flash_vs_eager"], rec["plain_vs_eager"]):
-                assert f <= max(2 * p, 2 ** -6), (rank, case, rec)
-        else:
-            assert max(rec["diff"]) == 0, (rank, case, rec["diff"])
+        assert max(rec["diff"]) == 0, (rank, case, rec["diff"])
