@@ -128,6 +128,8 @@ def _cmd_bench(ns) -> int:
         from .benchmarks.soak import main as bench_main
     elif ns.name == "overhead":
         from .benchmarks.overhead import main as bench_main
+    elif ns.name == "realloop":
+        from .benchmarks.realloop import main as bench_main
     else:
         from .benchmarks.overlap import main as bench_main
     return bench_main(ns.rest)
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="run a benchmark (leancompile bench grpo --help)",
                        add_help=False)
     b.add_argument("name", choices=("grpo", "loop", "overlap", "compile", "soak", "buckets",
-                                       "overhead"))
+                                       "overhead", "realloop"))
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=_cmd_bench)
 

@@ -80,20 +80,25 @@ class FlowGRPOConfig:
         return int(self.num_steps * self.timestep_fraction)
 
 
-def tiny_sd3_pipeline(seed: int = 0):
+def tiny_sd3_pipeline(seed: int = 0, **sizes):
     """A ``StableDiffusion3Pipeline`` around a random-init 2-layer ``SD3Transformer2DModel``
     shaped like SD3.5-Medium (dual attention in the first block, RMS q/k norms), SD3's
     flow-matching scheduler (shift 3), no text encoders and no VAE (the loop passes prompt
-    embeddings and scores latents). 32x32 images: 4x4 latents of 4 channels, 16 tokens."""
+    embeddings and scores latents). 32x32 images: 4x4 latents of 4 channels, 16 tokens.
+    ``sizes``: other ``SD3Transformer2DModel`` sizes (``num_layers``, ``attention_head_dim``,
+    ``num_attention_heads``, ``sample_size``, ``patch_size``, ``pos_embed_max_size``; the
+    caption projection follows the hidden size, as in SD3)."""
     from diffusers import (FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
                            StableDiffusion3Pipeline)
 
     torch.manual_seed(seed)
+    shape = {"sample_size": 4, "patch_size": 1, "num_layers": 2, "attention_head_dim": 8,
+             "num_attention_heads": 2, "pos_embed_max_size": 8, **sizes}
     transformer = SD3Transformer2DModel(
-        sample_size=4, patch_size=1, in_channels=4, num_layers=2, attention_head_dim=8,
-        num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16,
-        pooled_projection_dim=32, out_channels=4, pos_embed_max_size=8,
-        dual_attention_layers=(0,), qk_norm="rms_norm")
+        in_channels=4, joint_attention_dim=32,
+        caption_projection_dim=shape["attention_head_dim"] * shape["num_attention_heads"],
+        pooled_projection_dim=32, out_channels=4, dual_attention_layers=(0,),
+        qk_norm="rms_norm", **shape)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
     pipeline = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=scheduler, vae=None, text_encoder=None,
