@@ -18,6 +18,7 @@ loss differentiates through what the rollout kept.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -98,13 +99,21 @@ def gather_rows(pieces: list[tuple[Tensor, int, list[int]]], outer: int, inner: 
     parts = []
     for tensor, batch, rows in pieces:
         blocks = tensor.reshape(outer, batch, inner, *tensor.shape[1:])
-        if rows == list(range(batch)):
+        rows = tuple(rows)
+        if rows == tuple(range(batch)):
             parts.append(blocks)
         else:
-            index = torch.tensor(rows, device=tensor.device)
-            parts.append(blocks.index_select(1, index))
+            parts.append(blocks.index_select(1, _row_index(rows, tensor.device)))
     joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     return joined.reshape(-1, *joined.shape[3:]).contiguous()
+
+
+@functools.lru_cache(maxsize=1024)
+def _row_index(rows: tuple[int, ...], device: torch.device) -> Tensor:
+    """The index tensor of ``rows`` on ``device``, made once: an update call gathers the same
+    rows from every saved tensor of its kept calls (dozens per call), and a host-to-device
+    index per tensor cost more than the gather on small models."""
+    return torch.tensor(rows, device=device)
 
 
 def storage_bytes(tensors, exclude=()) -> int:
