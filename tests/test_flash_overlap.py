@@ -476,7 +476,7 @@ EXPECTED = {
              "backward": (0, 2, ["the reduce-scatter input is produced by aten.sum"])},
 }
 
-MATRIX = [  # the exactness matrix: every model with the flash schedule, on 2 and 4 ranks
+MATRIX = [  # the exactness matrix: every model with the flash schedule (2 ranks; 4: FOUR_RANKS)
     {"name": "funcol_flash", "model": "funcol", "seq": 8, "options": FLASH},
     {"name": "dtensor_flash", "model": "dtensor", "seq": 8, "options": FLASH},
     {"name": "attn_flash", "model": "attn", "seq": 8, "options": FLASH},
@@ -525,10 +525,9 @@ def test_two_ranks(tmp_path):
          "options": {"overlap": "flash", "variant": "direct"}},
         {"name": "ckpt_inductor_install", "model": "ckpt", "seq": 8, "options": FLASH,
          "install": True},
-        {"name": "c10d_inductor_install", "model": "c10d", "seq": 8, "options": FLASH,
-         "install": True},
-        {"name": "gated_inductor_install", "model": "gated", "seq": 8, "options": FLASH,
-         "install": True},
+        # (c10d and gated under Inductor: their torchtitan originals, spmd_types and
+        # partial_dtensor's w1/w3, in test_torchtitan's Inductor cells; the pass sees the same
+        # graphs under aot_eager, traced with Inductor's decompositions and partitioner.)
         {"name": "attn_split_m2", "model": "attn_split", "seq": 8,
          "options": {"overlap": "flash", "chunks_per_rank": 2, "variant": "direct"}},
         {"name": "attn_split_slice", "model": "attn_split", "seq": 8,
@@ -571,8 +570,18 @@ def test_two_ranks(tmp_path):
                 assert rec["diff"] == [0.0] * len(rec["diff"]), (rank, name, rec["diff"])
 
 
+# On 4 ranks, the models whose rewrite meets the world size: the ring of 4 on each side
+# (funcol's gather and reduce-scatter, FSDP's weight gather and gradient reduce-scatter), a
+# sequence gathered from 4 DTensor or c10d pieces (chunk + cat), the causal query split in 4
+# slices (the masks of the later slices) and flat rows cut into parts of one sequence. The
+# others (ckpt, gated, llama, attn_split, attn_rows_m2) compose these; their spelling is the
+# same on 2 ranks, where test_two_ranks runs them.
+FOUR_RANKS = ("funcol_flash", "dtensor_flash", "attn_flash", "attn_rows_flash", "fsdp_flash",
+              "c10d_flash")
+
+
 def test_four_ranks_and_a_skip_with_its_reason(tmp_path):
-    cases = MATRIX + [
+    cases = [c for c in MATRIX if c["name"] in FOUR_RANKS] + [
         {"name": "funcol_direct_m2", "model": "funcol", "seq": 16,
          "options": {"overlap": "flash", "variant": "direct", "chunks_per_rank": 2}},
         {"name": "fsdp_direct_m2", "model": "fsdp", "seq": 8,
