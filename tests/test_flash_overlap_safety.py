@@ -260,17 +260,28 @@ def _check_matrix(ranks, cases, tol=1e-5):
 
 
 def test_shape_matrix_two_ranks_aot_eager_and_inductor(tmp_path):
-    # Inductor: the two modes that recompile or trace symbolically (its static and mark_dynamic
-    # compiles are covered by test_flash_overlap's install cases and the property tests).
-    cases = _matrix([("aot_eager", MODES), ("inductor", ("auto", "dynamic"))])
+    # aot_eager: every layout in every mode (the pass is the same FX rewrite under both
+    # compilers; aot_eager runs the graph it leaves). Inductor adds the codegen of the
+    # rewritten graph (each graph a C++ build of seconds), in the two modes that recompile or
+    # trace symbolically (its static and mark_dynamic compiles are covered by test_flash_overlap's
+    # install cases and the property tests): the automatic recompile on the 2-D sequence gather,
+    # dynamic=True on the 3-D dim-0 sequence gather and on the 2-D FSDP weight gather. The
+    # dim-1 layouts (sequence and weight side) under dynamic Inductor: the four-rank test and the
+    # chunks test.
+    cases = _matrix([("aot_eager", MODES)])
+    cases += _matrix([("inductor", ("auto",))], layouts=(("sp", "sd"),))
+    cases += _matrix([("inductor", ("dynamic",))], layouts=(("sp", "sbd"), ("fsdp", "sd")))
     cases += _matrix([("aot_eager", ("dynamic", "auto")), ("inductor", ("dynamic",))],
                      layouts=(("block", "bsd"),))
     _check_matrix(_spawn(tmp_path, 2, _matrix_worker, cases), cases)
 
 
 def test_shape_matrix_four_ranks(tmp_path):
-    cases = _matrix([("aot_eager", ("static", "auto")), ("inductor", ("dynamic",))],
+    # A ring of 4 (three hops; reduce-scatter partials summed in several orders), under
+    # Inductor on the dim-1 layouts (sequence and weight side).
+    cases = _matrix([("aot_eager", ("static", "auto"))],
                     layouts=(("sp", "sbd"), ("sp", "bsd"), ("fsdp", "bsd")))
+    cases += _matrix([("inductor", ("dynamic",))], layouts=(("sp", "bsd"), ("fsdp", "bsd")))
     _check_matrix(_spawn(tmp_path, 4, _matrix_worker, cases), cases)
 
 
@@ -361,8 +372,10 @@ def _double_gather(world):
     return fn, [w]
 
 
-def _compare_to_plain(fn, params, make, compiler, *, no_grad=False, autocast=False, calls=1):
-    """(flash vs eager, plain compile vs eager) per call and tensor, and flash's sites."""
+def _compare_to_plain(fn, params, make, compiler, *, no_grad=False, autocast=False, calls=1,
+                      plain=True):
+    """(flash vs eager, plain compile vs eager) per call and tensor, and flash's sites.
+    ``plain=False``: no plain compile (fp32 cases, checked against eager alone)."""
     import contextlib
 
     def ctx():
@@ -380,15 +393,16 @@ def _compare_to_plain(fn, params, make, compiler, *, no_grad=False, autocast=Fal
             return _step(f, params, x)
 
     torch._dynamo.reset()
-    plain = torch.compile(fn, backend=leancompile.backend(compiler=compiler))
     flash_backend = _Reports(compiler=compiler, overlap="flash")
     flash = torch.compile(fn, backend=flash_backend)
+    plain_fn = torch.compile(fn, backend=leancompile.backend(compiler=compiler)) if plain else None
     out = {"flash": [], "plain": []}
     for call in range(calls):
         x = make(call)
         eager = run(fn, x)
         out["flash"].append(_rel(run(flash, x), eager))
-        out["plain"].append(_rel(run(plain, x), eager))
+        if plain_fn is not None:
+            out["plain"].append(_rel(run(plain_fn, x), eager))
     out["sites"] = flash_backend.sites()
     return out
 
@@ -408,13 +422,14 @@ def _inductor_worker(rank, world, init_file, out_dir):
     try:
         for kind in ("rms", "scale", "cast"):
             dtype = torch.bfloat16 if kind == "cast" else torch.float32
+            bf16 = kind == "cast"  # fp32 kinds: checked against eager alone, no plain compile
             fn, params = fused_producer(world, kind, dtype)
             make = seq_input((2, 16, 64))
             for compiler in ("inductor", "aot_eager"):
                 records[f"{kind}-{compiler}-no_grad"] = _compare_to_plain(
-                    fn, params, make, compiler, no_grad=True, calls=5)
+                    fn, params, make, compiler, no_grad=True, calls=5, plain=bf16)
             records[f"{kind}-inductor-train"] = _compare_to_plain(fn, params, make, "inductor",
-                                                                  calls=2)
+                                                                  calls=2, plain=bf16)
         model = FSDPMixedPrecision(DeviceMesh("cpu", list(range(world))), d=64, h=128)
         records["fsdp-mixed-precision"] = _compare_to_plain(
             model, list(model.parameters()), seq_input((4, 32, 64)), "inductor", calls=2)
@@ -425,7 +440,7 @@ def _inductor_worker(rank, world, init_file, out_dir):
         fn, params = _double_gather(world)
         for compiler in ("aot_eager", "inductor"):
             records[f"double-gather-{compiler}"] = _compare_to_plain(
-                fn, params, seq_input((6, 16)), compiler)
+                fn, params, seq_input((6, 16)), compiler, plain=False)
     finally:
         _dump(out_dir, rank, records)
         dist.destroy_process_group()
@@ -567,7 +582,8 @@ def _mesh_worker(rank, world, init_file, out_dir):
             return torch.randn(2, 8, 16).chunk(2, dim=1)[tp].contiguous().requires_grad_()
 
         for compiler in ("aot_eager", "inductor"):
-            records[compiler] = _compare_to_plain(model, params, make, compiler, calls=2)
+            records[compiler] = _compare_to_plain(model, params, make, compiler, calls=2,
+                                                  plain=False)
     finally:
         _dump(out_dir, rank, records)
         dist.destroy_process_group()
@@ -725,7 +741,7 @@ def _safety_worker(rank, world, init_file, out_dir):
                     with warnings.catch_warnings(record=True) as caught:
                         warnings.simplefilter("always")
                         rec = _compare_to_plain(fn, params, lambda call: make(4, rank),
-                                                compiler, calls=2)
+                                                compiler, calls=2, plain=False)
                     rec["warnings"] = [str(w.message) for w in caught
                                        if "leancompile pass 'flash_overlap'" in str(w.message)]
                     records[f"{name}-{compiler}"] = rec
