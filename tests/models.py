@@ -12,12 +12,14 @@ def mlp(seed: int = 0) -> nn.Module:
                          nn.Linear(32, 8))
 
 
-def tiny_flux(seed: int = 0):
+def tiny_flux(seed: int = 0, single_layers: int = 1):
+    """A random-init FLUX: 1 double block and ``single_layers`` single blocks."""
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(seed)
     return FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=single_layers,
+        attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
         axes_dims_rope=[4, 4, 8], guidance_embeds=True)
 
