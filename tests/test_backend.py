@@ -127,9 +127,9 @@ def test_tiny_flux_inductor_matches_eager_and_plain_inductor_bitwise():
 
     The double block only: Inductor compiles each distinct kernel with g++ (about 2.5 s of CPU
     each here); without the single block's, this test's CPU time went 99 -> 75 s. The same
-    pipeline as
-    Inductor's post-grad pass on a FLUX with a single block, bitwise against plain Inductor:
-    ``test_real_loops.py::test_dance_grpo_train_flux`` (``lean_compile``, Inductor fp32)."""
+    pipeline as Inductor's post-grad pass on a FLUX with a single block, bitwise against plain
+    Inductor: ``test_real_loops.py::test_dance_grpo_train_flux`` (``lean_compile``, Inductor
+    fp32)."""
     model = tiny_flux(single_layers=0)
     step = flux_step(model)
     args = tuple(flux_inputs().values())
