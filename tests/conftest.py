@@ -8,15 +8,16 @@ import torch
 os.environ.setdefault("LEANCOMPILE_ON_ERROR", "raise")
 
 
-# The longest files (seconds of test time in a two-worker run on the 2-core CI machine kind,
-# 2026-12-06: 590, 523, 449, 247, 247, 238, 238, 183; test_real_loops.py, added later, about
-# 600 in a loaded fresh-clone run), most of them starting 2 to 4 ranks.
+# The longest files (seconds of test time in a two-worker fresh-clone run on the 2-core CI
+# machine kind, 2026-12-06 at 96ae678: 409, 384, 361, 222, 178, 161, 157, 140, 128, 109, 103),
+# most of them starting 2 to 4 ranks.
 # pytest-xdist's --dist loadfile hands files out in collection order; alphabetically,
 # test_ulysses.py came last, and one worker ran it alone for minutes while the other had
 # nothing left (a rank computing a one-process reference leaves a core idle). Longest first.
-LONGEST_FIRST = ("test_ulysses.py", "test_real_loops.py", "test_flash_overlap_safety.py",
-                 "test_grpo_fsdp.py", "test_lean_step.py", "test_flash_overlap.py", "test_bf16.py",
-                 "test_torchtitan.py", "test_grpo_trainer.py")
+LONGEST_FIRST = ("test_real_loops.py", "test_ulysses.py", "test_flash_overlap_safety.py",
+                 "test_grpo_fsdp.py", "test_flash_overlap.py", "test_grpo_bench_explain.py",
+                 "test_bf16.py", "test_grpo_trainer.py", "test_torchtitan.py",
+                 "test_grpo_distributed.py", "test_lean_step.py")
 
 
 def pytest_collection_modifyitems(config, items):

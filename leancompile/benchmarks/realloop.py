@@ -22,7 +22,7 @@ epoch and ``F0`` its transformer's sampling call, timed inside the loop by hooks
 module (``F``, its trained forward, printed beside it). A wrapped row's ``of ideal`` is its
 ratio over ``P`` divided by ``ideal``.
 
-Sizes: ``tiny`` is the test's SD3 (2 layers, hidden 16, 4x4 latents: per-call overhead shows);
+Sizes: ``tiny`` is the demo loop's SD3 (2 layers, hidden 16, 4x4 latents: per-call overhead shows);
 ``compute`` is 4 layers, hidden 256, 32x32 latents in 2x2 patches (256 image tokens), where a
 forward takes long enough on a CPU core that compute dominates.
 """
