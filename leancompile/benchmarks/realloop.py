@@ -144,7 +144,8 @@ def run_realloop_bench(*, size: str = "tiny", backends: tuple[str, ...] = ("indu
               for b in ("aot_eager", "inductor")}
     calls_by_backend = {b: [] for b in timers}
     counts = _loop_counts(config)
-    log(f"FlowGRPO train_sd3.py loop, size {size} ({SIZES[size]['sizes'] or 'the test model'}), "
+    shape = SIZES[size]["sizes"] or "the demo loop's 2-layer SD3"
+    log(f"FlowGRPO train_sd3.py loop, size {size} ({shape}), "
         f"{counts['sampling_calls']} sampling calls, {counts['trained_calls']} trained calls, "
         f"{counts['optimizer_steps']} optimizer steps per epoch; {rounds} rounds after a warm-up")
     for r in range(rounds + 1):
