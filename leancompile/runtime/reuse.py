@@ -112,8 +112,11 @@ def gather_rows(pieces: list[tuple[Tensor, int, list[int]]], outer: int, inner: 
 def _row_index(rows: tuple[int, ...], device: torch.device) -> Tensor:
     """The index tensor of ``rows`` on ``device``, made once: an update call gathers the same
     rows from every saved tensor of its kept calls (dozens per call), and a host-to-device
-    index per tensor cost more than the gather on small models."""
-    return torch.tensor(rows, device=device)
+    index per tensor cost more than the gather on small models. Made outside inference mode
+    whatever the caller's mode: a cached index first made under ``torch.inference_mode()``
+    would be an inference tensor, which a later gather that autograd records could not save."""
+    with torch.inference_mode(False):
+        return torch.tensor(rows, device=device)
 
 
 def storage_bytes(tensors, exclude=()) -> int:
