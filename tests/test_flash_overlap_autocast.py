@@ -26,11 +26,17 @@ import torch.nn.functional as F
 import leancompile
 from compat import all_gather_single, reduce_scatter_single
 from ranks import spawn
+from test_flash_overlap import _compare, _report, dtensor_gated
 
 RS_SITE = "mm+reduce_scatter"
-CASES = [("qkv", "aot_eager"), ("qkv", "inductor"), ("gated", "aot_eager")]
+FLASH = {"overlap": "flash"}
+CASES = {"qkv-aot_eager": ("qkv", "aot_eager", FLASH), "qkv-inductor": ("qkv", "inductor", FLASH),
+         "gated-aot_eager": ("gated", "aot_eager", FLASH),
+         "qkv-chunks2": ("qkv", "aot_eager", {"overlap": "flash", "chunks_per_rank": 2}),
+         "qkv-slice": ("qkv", "aot_eager", {"overlap": "slice", "chunks": 2})}
 """The attention block under both compilers (the schedule's casts through Inductor's codegen);
-DTensor's spelling of the sum under one (the match is the same graph for both)."""
+DTensor's spelling of the sum under one (the match is the same graph for both); two slices per
+rank, and the data-slicing baseline (``overlap="slice"``), whose schedule casts the terms too."""
 
 
 class QKVBlock(nn.Module):
@@ -53,21 +59,6 @@ class QKVBlock(nn.Module):
         return x + reduce_scatter_single(y.float(), "sum", 0, self.group)
 
 
-def _gated(world):
-    import sys
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_flash_overlap import dtensor_gated
-
-    model, _ = dtensor_gated(world)
-    return model
-
-
-def _rel(got, ref):
-    """Max abs difference per tensor over the tensor's max abs value (at least 1)."""
-    return [float((a - b).abs().max() / b.abs().max().clamp(min=1)) for a, b in zip(got, ref)]
-
-
 def _worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
@@ -77,21 +68,21 @@ def _worker(rank, world, init_file, out_dir):
     torch._functorch.config.enable_autograd_cache = False
     records = {}
     try:
-        for name, compiler in CASES:
+        for case, (name, compiler, flash_options) in CASES.items():
             torch.manual_seed(0)
             if name == "qkv":
                 model = QKVBlock(dist.group.WORLD)
                 x = torch.randn(8, 16)
             else:
-                model = _gated(world)
+                model, _ = dtensor_gated(world)
                 x = torch.randn(2, 8 // world, 16)  # (batch, local sequence, dim)
             runs = {}
-            for overlap in (None, "flash"):
+            for overlap in (None, "flash"):  # (the compile without the pass, then with it)
                 torch._dynamo.reset()
                 for p in model.parameters():
                     p.grad = None
                 xi = x.clone().requires_grad_()
-                options = {"overlap": overlap} if overlap else {}
+                options = flash_options if overlap else {}
                 step = torch.compile(model, backend=leancompile.backend(compiler=compiler,
                                                                          **options))
                 # (the attention block enters autocast itself, after its fp32 gather)
@@ -103,13 +94,8 @@ def _worker(rank, world, init_file, out_dir):
                                      else p.grad for p in model.parameters()]
                 runs[overlap] = [out.detach().float()] + [g.float() for g in grads]
                 if overlap == "flash":
-                    report = leancompile.last_report()
-                    runs["report"] = {g.name: {
-                        "rewritten": [s.kind for p in g.passes for s in p.rewritten
-                                      if p.name == "flash_overlap"],
-                        "skipped": [s.reason for p in g.passes for s in p.skipped
-                                    if p.name == "flash_overlap"]} for g in report.graphs}
-            records[f"{name}-{compiler}"] = {"diff": _rel(runs["flash"], runs[None]),
+                    runs["report"] = _report()
+            records[case] = {"diff": _compare(runs["flash"], runs[None]),
                                              "report": runs["report"]}
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -124,7 +110,7 @@ def ranks(tmp_path_factory):
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("case", [f"{name}-{compiler}" for name, compiler in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_bf16_sum_of_input_gradients_is_rewritten(ranks, case):
     """Values: equal to the compile without the pass (measured 0), output and every gradient.
     The gated MLP under Inductor, measured once by hand (2026-12-06) and not kept (the same
