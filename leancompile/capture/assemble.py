@@ -5,8 +5,9 @@ gathered in a ``StepGraphs`` (``step_graphs.py``)::
 
     Dynamo graph --aot_trace--> forward, backward, inference (the forward without_saved)
         --> roles, fingerprints, output aliases, saved order, random ops
-        --compile_graph (pipeline + aot_eager / Inductor)--> run_forward, run_backward,
-            run_inference; the row layouts and kept bytes the pipeline's LeanGRPO stage found
+        --compile_graph (pipeline + aot_eager / Inductor), each graph on its first use
+            (``StepGraphs.compile``)--> run_forward, run_backward, run_inference; the row
+            layouts and kept bytes the pipeline's LeanGRPO stage found in the forward
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from .compile import compile_graph
-from .conventions import kept_storage, output_aliases, saved_order
+from .conventions import output_aliases, saved_order
 from .fingerprint import sample_gradient_outputs, structural_hashes
 from .random_ops import random_ops
 from .roles import input_roles
@@ -33,9 +34,10 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
                   reshard_after_forward: bool = False) -> StepGraphs:
     """Trace a Dynamo graph through AOTAutograd into forward + backward graphs and an inference
     graph (the forward without what it saves, ``without_saved``; a traced one when nothing
-    needs gradients), run ``graph_pass`` (leancompile's pipeline, a
-    ``LeanGraphPass``) on each and compile them with ``compiler`` (``aot_eager``: as they are;
-    ``inductor``: ``compile_fx_inner``, our pipeline as its custom post-grad pass).
+    needs gradients), each to run ``graph_pass`` (leancompile's pipeline, a ``LeanGraphPass``)
+    and compile with ``compiler`` (``aot_eager``: as they are; ``inductor``:
+    ``compile_fx_inner``, our pipeline as its custom post-grad pass) on its first run, or
+    at ``StepGraphs.compile()``.
 
     A symbolic dim 0 of the tensor arguments is the batch: the LeanGRPO stage of the pipeline
     finds which saved tensors hold it row by row (``passes/row_layout.py``).
@@ -82,31 +84,26 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
     else:
         drawn = random_ops(inference)
 
-    def compiled(graph, phase):
-        return compile_graph(graph, phase, compiler=compiler, graph_pass=graph_pass)
-
-    run_forward = compiled(forward, "forward")
-    layouts = dict(forward.meta.get("lean_grpo", {}).get("layouts", {})) \
-        if forward is not None else {}
-    saved_meta, kept_roots = [], {}
-    if forward is not None:  # (read after the pipeline ran on the forward)
-        saved_meta, kept_roots = kept_storage(forward, num_outputs, symbol)
+    # The graphs compile on first use (``StepGraphs.compile``): an update graph whose calls all
+    # reuse the rollout's never runs its own forward or backward, and a step never called
+    # under no_grad never runs its inference graph.
     # The backward as AOTAutograd made it, before the pipeline's passes (Inductor rewrites the
     # graph it lowers; aot_eager's passes rewrite it in place): what Reweight's per-row
     # backward is traced from. FlashOverlap's P2P schedules have no batching rule, and under
     # parallel="fsdp" Reweight takes the gradient reductions out of this graph instead.
     backward_aten = copy.deepcopy(backward) if backward is not None else None
-    run_backward = compiled(backward, "backward")
-    run_inference = compiled(inference, "inference")
-    return StepGraphs(
+    graphs = StepGraphs(
         roles=roles, num_outputs=num_outputs, output_types=output_types,
         output_bases=output_bases, differentiable=differentiable, saved_names=saved_names,
-        bw_saved=bw_saved, run_forward=run_forward, run_backward=run_backward,
-        run_inference=run_inference, forward=forward, backward=backward, inference=inference,
-        batch_symbol=symbol, layouts=layouts, saved_meta=saved_meta, fingerprint=fingerprint,
+        bw_saved=bw_saved, run_forward=None, run_backward=None,
+        run_inference=None, forward=forward, backward=backward, inference=inference,
+        batch_symbol=symbol, fingerprint=fingerprint,
         sample_fingerprint=sample_fp, key_inputs=key_inputs, sample_key_inputs=sample_keys,
         random_ops=drawn, dynamo_graph=gm, sample_output=sample_output,
         sample_grad_outputs=sample_gradient_outputs(gm, sample_output),
-        kept_roots=kept_roots, backward_aten=backward_aten, regather=regather,
+        backward_aten=backward_aten, regather=regather,
         traced_frozen=[i for i, v in enumerate(example_inputs)
                        if isinstance(v, torch.Tensor) and not v.requires_grad])
+    graphs.defer_compile(lambda graph, phase: compile_graph(
+        graph, phase, compiler=compiler, graph_pass=graph_pass))
+    return graphs

@@ -11,11 +11,14 @@ Its three functions take the flat inputs Dynamo passes (``roles``) as a list::
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 import torch.fx as fx
 
+from .conventions import kept_storage
 from .fingerprint import structural_hashes
 from .roles import InputRole
 from .trace import aot_trace
@@ -30,7 +33,14 @@ class StepGraphs:
 
     ``run_forward(args) -> outputs + saved``, ``run_backward(saved_for_bw + cotangents) ->
     one gradient (or None) per input`` and ``run_inference(args) -> outputs`` take the flat
-    inputs Dynamo passes (``roles``) as a list."""
+    inputs Dynamo passes (``roles``) as a list.
+
+    Each graph goes through the pipeline and the compiler on its first run (or ``compile()``):
+    the update graph of a step whose update calls all reuse the rollout's never compiles its
+    own forward and backward, and a graph never run under ``no_grad`` never compiles its
+    inference graph. ``layouts``, ``saved_meta``, ``kept_roots`` and ``kept_bytes`` (what the
+    pipeline finds in the forward) compile the forward when read; ``forward``, ``backward`` and
+    ``inference`` are the graphs after the pipeline once compiled, before it until then."""
 
     roles: list[InputRole]
     num_outputs: int
@@ -50,11 +60,6 @@ class StepGraphs:
     backward: fx.GraphModule | None
     inference: fx.GraphModule
     batch_symbol: object = None
-    layouts: dict = field(default_factory=dict)
-    """From the LeanGRPO stage: ``outputs`` and ``saved`` layouts (``RowLayout``, ``Mixed``,
-    ``None`` for batch-independent, ``"symint"``) and ``row_local`` (bool) with ``reason``."""
-    saved_meta: list = field(default_factory=list)
-    """Per saved value, its fake value (shapes with the batch symbol)."""
     fingerprint: tuple = ()
     """Hashes of what each output computes from the inputs' roles (inference graph)."""
     sample_fingerprint: tuple = ()
@@ -74,9 +79,6 @@ class StepGraphs:
     sample_grad_outputs: list[int] = field(default_factory=list)
     """Outputs whose gradient flows through the drawn sample (``sample_gradient_outputs``,
     ``fingerprint.py``): an update passing the sample back cannot reuse this graph's forward."""
-    kept_roots: dict = field(default_factory=dict)
-    """Storages the saved tensors live in that are not inputs (or views of inputs): name ->
-    bytes (an int, or a sympy expression of ``batch_symbol``)."""
     backward_aten: fx.GraphModule | None = None
     """The backward graph as aten ops that run eagerly (after the pipeline with ``aot_eager``;
     before Inductor's lowering otherwise): what batched Reweight runs under ``torch.func.vmap``
@@ -84,9 +86,92 @@ class StepGraphs:
     traced_frozen: list[int] = field(default_factory=list)
     """Tensor inputs that did not require grad when the graphs were traced: the backward
     computes no gradient for them (``leancompile/lean`` refuses a call where one now does)."""
+    _found: dict | None = field(default=None, init=False, repr=False, compare=False)
+    """What the pipeline found in the forward (``layouts``, ``saved_meta``, ``kept_roots``), or
+    None until the forward is compiled."""
+    _pending: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Phase -> the graph not compiled yet, with the contexts it was traced under."""
+    _compile_graph: Callable | None = field(default=None, init=False, repr=False,
+                                            compare=False)
     _kept_bytes_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """``kept_bytes`` by batch (substituting into sympy expressions costs milliseconds, and the
     trainer and the wrapper ask on every call)."""
+
+    def defer_compile(self, compile_graph: Callable) -> None:
+        """Set ``run_forward``, ``run_backward`` and ``run_inference`` (each graph there is) to
+        compile their graph with ``compile_graph(graph, phase) -> run`` on their first call.
+        Dynamo's tracing and compile contexts of now are entered again then, as AOTAutograd
+        does for the backward it compiles lazily."""
+        from torch._guards import CompileContext, TracingContext
+
+        self._compile_graph = compile_graph
+        contexts = (TracingContext.try_get(), CompileContext.try_get())
+        for phase in ("forward", "backward", "inference"):
+            if getattr(self, phase) is None:
+                continue
+            self._pending[phase] = contexts
+            setattr(self, f"run_{phase}", _FirstRun(self, phase))
+        if self.forward is None:
+            self._found = {"layouts": {}, "saved_meta": [], "kept_roots": {}}
+
+    def compile(self, *phases: str) -> None:
+        """Run the pipeline and the compiler on the graphs of ``phases`` (``forward``,
+        ``backward``, ``inference``; all by default) not compiled yet. The backward compiles
+        after the forward, in the order a capture always had."""
+        for phase in phases or ("forward", "backward", "inference"):
+            if phase == "backward":
+                self.compile("forward")
+            contexts = self._pending.get(phase)
+            if contexts is None:
+                continue
+            from torch._guards import compile_context, tracing
+
+            tracing_context, compile_ctx = contexts
+            with contextlib.ExitStack() as stack:
+                # (a first run under torch.inference_mode(): Inductor's fake tensors and
+                # constants must not be inference tensors)
+                stack.enter_context(torch.inference_mode(False))
+                if tracing_context is not None:
+                    stack.enter_context(tracing(tracing_context))
+                if compile_ctx is not None:
+                    stack.enter_context(compile_context(compile_ctx))
+                run = self._compile_graph(getattr(self, phase), phase)
+            del self._pending[phase]
+            setattr(self, f"run_{phase}", run)
+            if phase == "forward":
+                saved_meta, kept_roots = kept_storage(self.forward, self.num_outputs,
+                                                      self.batch_symbol)
+                self._found = {
+                    "layouts": dict(self.forward.meta.get("lean_grpo", {}).get("layouts", {})),
+                    "saved_meta": saved_meta, "kept_roots": kept_roots}
+
+    @property
+    def compiled(self) -> set[str]:
+        """The phases whose graph is compiled (a phase with no graph counts as compiled)."""
+        return {p for p in ("forward", "backward", "inference") if p not in self._pending}
+
+    def _forward_found(self) -> dict:
+        if self._found is None:
+            self.compile("forward")
+        return self._found
+
+    @property
+    def layouts(self) -> dict:
+        """From the LeanGRPO stage: ``outputs`` and ``saved`` layouts (``RowLayout``,
+        ``Mixed``, ``None`` for batch-independent, ``"symint"``) and ``row_local`` (bool) with
+        ``reason``."""
+        return self._forward_found()["layouts"]
+
+    @property
+    def saved_meta(self) -> list:
+        """Per saved value, its fake value (shapes with the batch symbol)."""
+        return self._forward_found()["saved_meta"]
+
+    @property
+    def kept_roots(self) -> dict:
+        """Storages the saved tensors live in that are not inputs (or views of inputs): name
+        -> bytes (an int, or a sympy expression of ``batch_symbol``)."""
+        return self._forward_found()["kept_roots"]
 
     def kept_bytes(self, batch: int) -> int:
         """Bytes a forward's saved tensors hold beyond its inputs, for ``batch`` rows: each
@@ -121,3 +206,17 @@ class StepGraphs:
         if self.sample_output is not None:
             sample, _ = structural_hashes(graph, self.roles, cut=self.sample_output)
         return fingerprint, sample
+
+
+class _FirstRun:
+    """``run_<phase>`` of a ``StepGraphs`` until its graph is compiled: compiles it (which
+    puts the compiled function in its place) and runs that."""
+
+    __slots__ = ("graphs", "phase")
+
+    def __init__(self, graphs: StepGraphs, phase: str):
+        self.graphs, self.phase = graphs, phase
+
+    def __call__(self, args):
+        self.graphs.compile(self.phase)
+        return getattr(self.graphs, f"run_{self.phase}")(args)

@@ -345,7 +345,10 @@ class LeanStep:
                 self(*args, **kwargs)
         finally:
             state.phase = None
-        return list(state.graphs_called)
+        graphs = list(state.graphs_called)
+        for g in graphs:  # (a call in plan() runs no graph: nothing compiled them yet)
+            g.compile()
+        return graphs
 
     def discard_kept(self) -> None:
         """Free everything the last rollout kept (activations, per-sample buffers), so that
