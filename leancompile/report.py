@@ -100,6 +100,10 @@ class GraphRecord:
     auto: dict | None = None
     """``overlap="auto"``: the device, the candidate chosen and each candidate's predicted
     seconds."""
+    cached: bool = False
+    """Inductor's FX graph cache served this graph's code (``lean_compile``): the pipeline ran
+    again on the graph for what it records (the report, the LeanGRPO stage's row layouts), not
+    for the code."""
     seconds: float = 0.0
     """Wall time of the whole pipeline on this graph: the passes, the snapshots and op counts
     of the report and, under ``overlap="auto"``, the candidates' trials (what
@@ -125,7 +129,8 @@ class GraphRecord:
 
     def summary(self) -> str:
         lines = [f"{self.name}: {sum(self.op_counts_before.values())} -> "
-                 f"{sum(self.op_counts_after.values())} ops"]
+                 f"{sum(self.op_counts_after.values())} ops"
+                 + (" (code served from Inductor's cache)" if self.cached else "")]
         if self.auto:
             predicted = ", ".join(f"{name} {t * 1e3:.3f} ms"
                                   for name, t in self.auto["predicted_s"].items())
@@ -200,7 +205,7 @@ class Report:
             "graphs": [{"name": r.name, "phase": r.phase, "graph_index": r.graph_index,
                         "passes": [p.to_dict() for p in r.passes],
                         "op_diff": {k: list(v) for k, v in r.op_diff.items()},
-                        "auto": r.auto, "seconds": r.seconds}
+                        "auto": r.auto, "seconds": r.seconds, "cached": r.cached}
                        for r in self.graphs],
         }
 

@@ -19,6 +19,7 @@ without the pass, whose error the pass must not exceed) on every rank and every 
 what the report says was rewritten.
 """
 
+import hashlib
 import json
 import os
 from datetime import timedelta
@@ -618,7 +619,7 @@ def _relaunch_worker(rank, world, init_file, out_dir, cache_dir):
     _init(rank, world, init_file)
     records = {}
     try:
-        for salt, entry in enumerate(("backend", "lean_compile", "install")):
+        for salt, entry in enumerate(("backend", "lean_compile", "install", "lean_step")):
             torch._dynamo.reset()
             counters.clear()
             torch.manual_seed(0)
@@ -639,20 +640,36 @@ def _relaunch_worker(rank, world, init_file, out_dir, cache_dir):
                     got = _step(torch.compile(mlp), [w1, w2], x)
             elif entry == "lean_compile":
                 got = _step(leancompile.lean_compile(overlap="flash")(mlp), [w1, w2], x)
-            else:
+            elif entry == "backend":
                 got = _step(torch.compile(mlp, backend=leancompile.backend(overlap="flash")),
                             [w1, w2], x)
-            records[entry] = {"diff": _rel(got, eager),
+            else:  # a LeanStep (its own capture), called outside the phases
+                step = leancompile.lean_compile(overlap="flash", schedule="retain")(mlp)
+                got = _step(step, [w1, w2], x)
+            if entry == "lean_step":
+                # per graph run: code served from Inductor's cache, and the sites the pass
+                # rewrote (it reruns on a cache hit, for what it records)
+                cached = [[r.cached, sum(len(p.rewritten) for p in r.passes)]
+                          for report in step.reports for r in report.graphs]
+            else:
+                cached = [leancompile.last_report().cached]
+            digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in got)).hexdigest()
+            records[entry] = {"diff": _rel(got, eager), "cached": cached, "digest": digest,
                               "fx_hits": counters["inductor"]["fxgraph_cache_hit"],
-                              "aot_hits": counters["aot_autograd"]["autograd_cache_hit"]}
+                              "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],
+                              "fx_misses": counters["inductor"]["fxgraph_cache_miss"],
+                              "aot_misses": counters["aot_autograd"]["autograd_cache_miss"]}
     finally:
         _dump(out_dir, rank, records)
         dist.destroy_process_group()
 
 
 def test_relaunch_from_a_warm_cache_runs_for_every_entry_point(tmp_path):
-    """The second launch is served from Inductor's caches: no pass runs, the cached graphs call
-    leancompile's P2P ops, which importing leancompile registers."""
+    """The second launch is served from Inductor's caches: nothing compiled anew (no cache
+    miss), the reports say so, the cached graphs call leancompile's P2P ops (which importing
+    leancompile registers) and give the values of the first launch. ``lean_compile`` runs the
+    pass again on a hit, for what it records (row layouts), and its report marks the code as
+    cached."""
     cache = tmp_path / "cache"
     launches = []
     for i in range(2):
@@ -661,11 +678,21 @@ def test_relaunch_from_a_warm_cache_runs_for_every_entry_point(tmp_path):
         launches.append(_spawn(run_dir, 2, _relaunch_worker, str(cache)))
     for i, ranks in enumerate(launches):
         for rank, records in enumerate(ranks):
-            assert sorted(records) == ["backend", "install", "lean_compile"], (i, rank)
+            assert sorted(records) == ["backend", "install", "lean_compile", "lean_step"], \
+                (i, rank)
             for entry, rec in records.items():
                 assert max(rec["diff"]) <= 1e-5, (i, rank, entry, rec)
+                # the same values in both launches, to the bit
+                assert rec["digest"] == launches[0][rank][entry]["digest"], (i, rank, entry)
                 hits = rec["fx_hits"] + rec["aot_hits"]
-                assert (hits == 0) if i == 0 else (hits > 0), (i, rank, entry, rec)
+                misses = rec["fx_misses"] + rec["aot_misses"]
+                assert (hits == 0 and misses > 0) if i == 0 else (hits > 0 and misses == 0), \
+                    (i, rank, entry, rec)
+            lean = records["lean_step"]["cached"]
+            assert len(lean) == 2 and all(c == (i == 1) for c, _ in lean), (i, rank, lean)
+            assert all(rewritten > 0 for _, rewritten in lean), (i, rank, lean)
+            for entry in ("backend", "lean_compile", "install"):
+                assert records[entry]["cached"] == [i == 1], (i, rank, entry, records[entry])
 
 
 # ---------------------------------------------------------------------------------------------

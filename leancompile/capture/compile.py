@@ -69,4 +69,7 @@ def _compiled(graph, phase, compiler, graph_pass):
         view_to_reshape(graph)
         graph.graph.eliminate_dead_code()
         graph_pass(graph.graph, is_inference=phase == "inference")
+        report = graph_pass.report
+        if report is not None and report.graphs:
+            report.graphs[-1].cached = True
     return lambda args: out(list(args))
