@@ -63,6 +63,22 @@ def test_trainer_bf16_retain_bitwise_reweight_close(lora):
     assert results["retain"].ratio_error == 0 and results["reweight"].ratio_error == 0
 
 
+class _Schedule:
+    """A wrapped step whose rollouts run ``schedule`` (``rollout(schedule=...)``)."""
+
+    def __init__(self, step, schedule):
+        self.step, self.schedule = step, schedule
+
+    def __call__(self, *args, **kwargs):
+        return self.step(*args, **kwargs)
+
+    def rollout(self, **kwargs):
+        return self.step.rollout(schedule=self.schedule, **kwargs)
+
+    def update(self):
+        return self.step.update()
+
+
 def test_wrapper_bf16_flow_grpo_loop_retain_bitwise():
     """The user's loop (shuffled, re-batched rows, accumulation, clipping, Adam), its step
     (velocity + SDE + log-prob) wrapped: retain's parameters after 2 iterations are bitwise
@@ -70,22 +86,29 @@ def test_wrapper_bf16_flow_grpo_loop_retain_bitwise():
     base = bf16_flux(steps=4)
     base.requires_grad_(True)
     config = LoopConfig(sde="flow_grpo", eta=0.9, level="step", iterations=2, lr=1e-3)
-    results = {}
-    for schedule in (None, "retain", "reweight"):
-        torch._dynamo.reset()
-        policy = copy.deepcopy(base)
-        extra = {} if schedule is None else dict(schedule=schedule, sample_output=0,
-                                                 sample_arg="prev_sample")
-        step = leancompile.lean_compile(make_step(policy, config), backend="aot_eager", **extra)
-        results[schedule] = (flow_grpo_loop(policy, step, config), step)
-    reference = results[None][0]
-    retain, step = results["retain"]
-    assert step.stats.forwards_run == 0 and step.stats.reused_calls > 0
+    policy = copy.deepcopy(base)
+    reference = flow_grpo_loop(policy, leancompile.lean_compile(
+        make_step(policy, config), backend="aot_eager"), config)
+    # Retain, then Reweight on the same wrapped step (one capture): the user's loop chooses
+    # the schedule of each rollout (rollout(schedule=...)); the policy back to its start.
+    torch._dynamo.reset()
+    policy = copy.deepcopy(base)
+    step = leancompile.lean_compile(make_step(policy, config), backend="aot_eager",
+                                    schedule="retain", sample_output=0,
+                                    sample_arg="prev_sample")
+    retain = flow_grpo_loop(policy, step, config)
+    stats = step.reset_stats()
+    assert stats.forwards_run == 0 and stats.reused_calls > 0, stats.summary()
     for got, ref in zip(retain.grads, reference.grads):
         assert_bitwise(got, ref)
     for got, ref in zip(retain.history, reference.history):
         assert_bitwise(got, ref)
-    reweight, step = results["reweight"]
+    with torch.no_grad():
+        for p, start in zip(policy.parameters(), base.parameters()):
+            p.copy_(start)
+    graphs = len(step.graphs)
+    reweight = flow_grpo_loop(policy, _Schedule(step, "reweight"), config)
+    assert len(step.graphs) == graphs  # (no new capture)
     assert step.stats.reweight_rows_per_backward > 1  # batched per-row gradients
     cosine, rel = agreement(reweight.grads[0], reference.grads[0])
     assert cosine >= 0.9999, (cosine, rel)
