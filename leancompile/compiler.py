@@ -58,9 +58,12 @@ def current_rank() -> int:
 def _source_hash() -> str:
     """Hash of the pass and pipeline sources, so an edited pass never reuses a cached graph."""
     here = Path(__file__).parent
-    # The passes, what they trace into graphs (the runtime schedules), and the runner.
+    # The passes, what they trace into graphs (the runtime schedules), the runner, and the
+    # capture of a LeanStep's graphs (how they are traced: e.g. whether the backward may
+    # donate saved buffers, which Inductor's graph key does not hold).
     files = sorted({Path(s.module_file) for s in PASSES} | set((here / "passes").rglob("*.py"))
-                   | set((here / "runtime").glob("*.py")) | {here / "pipeline.py"})
+                   | set((here / "runtime").glob("*.py")) | set((here / "capture").glob("*.py"))
+                   | {here / "pipeline.py"})
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.read_bytes())

@@ -579,3 +579,33 @@ def test_reweight_served_from_the_inductor_cache_regroups_rows_as_compiled(base,
             step.stats.summary()
         assert _rel(got, ref) <= 1e-5, _rel(got, ref)
     assert hits[0] == 0 and hits[1] >= 2, hits
+
+
+def test_two_backwards_through_a_reused_call_under_inductor():
+    """``loss.backward(retain_graph=True)`` then ``loss.backward()`` on an update call that
+    reused the rollout: both backwards read the kept tensors. Inductor's backward donated them
+    as scratch (AOTAutograd's ``donated_buffer``), and the second read overwritten ones: a
+    gradient off by 64 against eager's. The capture traces without donated buffers."""
+    from test_lean_step import _gaussian_step
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    step_fn = _gaussian_step(layer, detach_in_log_prob=True)
+    x, noise = torch.randn(4, 8), torch.randn(4, 8)
+    step = leancompile.lean_compile(step_fn, backend="inductor", schedule="retain",
+                                    sample_output=0, sample_arg="prev_sample")
+    with step.rollout(), torch.no_grad():
+        sample, _ = step(x, noise=noise)
+    layer.zero_grad()
+    with step.update():
+        _, log_prob = step(x, prev_sample=sample)
+        loss = (log_prob * torch.arange(4.0)).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert step.stats.reused_calls == 1, step.stats.summary()
+    got = layer.weight.grad.clone()
+    layer.zero_grad()
+    loss = (step_fn(x, prev_sample=sample)[1] * torch.arange(4.0)).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    torch.testing.assert_close(got, layer.weight.grad, rtol=1e-5, atol=1e-5)

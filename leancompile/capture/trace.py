@@ -75,8 +75,12 @@ def aot_trace(gm: fx.GraphModule, inputs, patches: dict, regather: set[int] | No
                                                record=captured["regather"], static=held)
     # Effect tokens (ops with side effects, e.g. linalg.inv's error checks) made and sunk inside
     # the graphs, as Inductor has them: no extra token inputs or outputs to account for.
+    # No donated buffers: Inductor's backward would reuse saved tensors' storage as scratch,
+    # and a kept call's backward may run again (loss.backward(retain_graph=True) twice reads
+    # the same kept tensors; a second backward read overwritten ones).
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True,
-                                       unlift_effect_tokens=True, **patches), \
+                                       unlift_effect_tokens=True, donated_buffer=False,
+                                       **patches), \
             torch.set_grad_enabled(needs_grad):
         aot_module_simplified(
             gm, list(inputs), fw_compiler=keep("forward"), bw_compiler=keep("backward"),
