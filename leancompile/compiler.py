@@ -111,11 +111,6 @@ class LeanGraphPass(_PassBase):
         self._report = report
         self._graph_index = graph_index
 
-    @property
-    def report(self) -> Report | None:
-        """The report this pass records into (None for an installed pass: each compile's)."""
-        return self._report
-
     def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
         if is_inference is None:  # an Inductor that does not say (torch 2.11)
             is_inference = _post_grad_is_inference()

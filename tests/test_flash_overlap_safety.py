@@ -667,9 +667,9 @@ def _relaunch_worker(rank, world, init_file, out_dir, cache_dir):
 def test_relaunch_from_a_warm_cache_runs_for_every_entry_point(tmp_path):
     """The second launch is served from Inductor's caches: nothing compiled anew (no cache
     miss), the reports say so, the cached graphs call leancompile's P2P ops (which importing
-    leancompile registers) and give the values of the first launch. ``lean_compile`` runs the
-    pass again on a hit, for what it records (row layouts), and its report marks the code as
-    cached."""
+    leancompile registers) and give the values of the first launch. A ``lean_compile(...,
+    schedule=...)`` step runs the pass again on a hit, for what it records (row layouts), and
+    its report marks each graph's code as cached."""
     cache = tmp_path / "cache"
     launches = []
     for i in range(2):

@@ -68,8 +68,6 @@ def _compiled(graph, phase, compiler, graph_pass):
         # for the code.
         view_to_reshape(graph)
         graph.graph.eliminate_dead_code()
-        graph_pass(graph.graph, is_inference=phase == "inference")
-        report = graph_pass.report
-        if report is not None and report.graphs:
-            report.graphs[-1].cached = True
+        graph_pass.run_previous(graph.graph, is_inference=phase == "inference")
+        graph_pass.run(graph, phase=phase, recompile=False).cached = True
     return lambda args: out(list(args))

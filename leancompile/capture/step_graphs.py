@@ -118,14 +118,14 @@ class StepGraphs:
         """Run the pipeline and the compiler on the graphs of ``phases`` (``forward``,
         ``backward``, ``inference``; all by default) not compiled yet. The backward compiles
         after the forward, in the order a capture always had."""
+        from torch._guards import compile_context, tracing
+
         for phase in phases or ("forward", "backward", "inference"):
             if phase == "backward":
                 self.compile("forward")
             contexts = self._pending.get(phase)
             if contexts is None:
                 continue
-            from torch._guards import compile_context, tracing
-
             tracing_context, compile_ctx = contexts
             with contextlib.ExitStack() as stack:
                 # (a first run under torch.inference_mode(): Inductor's fake tensors and
