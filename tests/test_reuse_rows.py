@@ -1,9 +1,10 @@
-"""``runtime/reuse.gather_rows``: the rows of kept tensors put together, against plain
-indexing, and its cached row indices whatever mode they were first made in."""
+"""``runtime/reuse.gather_rows`` and ``RowGather``: the rows of kept tensors put together,
+against plain indexing, and the cached row indices whatever mode they were first made in."""
 
+import pytest
 import torch
 
-from leancompile.runtime.reuse import gather_rows
+from leancompile.runtime.reuse import RowGather, gather_rows
 
 
 def test_gathered_rows_equal_indexing_and_carry_gradients():
@@ -28,3 +29,26 @@ def test_an_index_first_made_under_inference_mode_serves_a_recorded_gather():
     y = gather_rows([(x, 4, [3, 1])], 1, 1)
     y.sum().backward()
     assert torch.equal(x.grad, torch.tensor([[0.0] * 3, [1.0] * 3, [0.0] * 3, [1.0] * 3]))
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_a_planned_gather_equals_indexing_on_both_of_its_paths(small, monkeypatch):
+    """FlowGRPO's shuffled re-batching: rows alternating between two kept calls, one of them
+    used twice, outer 2 x inner 3 rows per sample; the small path (the sources concatenated,
+    one index_select) and the large one (run by run) give the same tensor, with the strides
+    of a fresh one."""
+    if not small:
+        monkeypatch.setattr(RowGather, "SMALL_BYTES", 0)
+    a, b = torch.randn(2 * 4 * 3, 5), torch.randn(2 * 3 * 3, 5)  # batches 4 and 3
+    pieces = [(0, [1]), (1, [0]), (0, [3, 2]), (1, [2]), (0, [1])]
+    got = RowGather([4, 3], pieces)([a, b], 2, 3)
+    blocks = [a.view(2, 4, 3, 5), b.view(2, 3, 3, 5)]
+    want = torch.cat([blocks[s][:, rows] for s, rows in pieces], 1).reshape(-1, 5)
+    assert torch.equal(got, want) and got.is_contiguous()
+    assert torch.equal(got, gather_rows([([a, b][s], [4, 3][s], rows) for s, rows in pieces],
+                                        2, 3))
+    # every row of the sources in order: the concatenation itself (one source: the tensor)
+    whole = RowGather([4, 3], [(0, [0, 1, 2, 3]), (1, [0, 1, 2])])([a, b], 1, 6)
+    assert torch.equal(whole, torch.cat([a, b]))
+    same = RowGather([4], [(0, [0, 1, 2, 3])])([a], 2, 3)
+    assert torch.equal(same, a) and same.data_ptr() == a.data_ptr()  # (no copy)

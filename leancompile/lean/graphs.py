@@ -14,8 +14,8 @@ from ..capture import StepGraphs
 from ..runtime.reuse import gather_rows
 
 __all__ = ["readable", "empty_outputs", "batch_independent", "cotangent_rows", "saved_size",
-           "as_traced", "sizes_of", "concrete_size", "SLICES", "row_shape", "output_val", "output_shape",
-           "numel_per_row"]
+           "as_traced", "traced_stride", "sizes_of", "concrete_size", "SLICES", "row_shape",
+           "output_val", "output_shape", "numel_per_row"]
 
 
 def readable(source: str) -> str:
@@ -76,11 +76,17 @@ def as_traced(tensor: Tensor, meta, symbols: dict) -> Tensor:
     them. ``tensor`` itself when it has them already."""
     if not isinstance(meta, Tensor):
         return tensor
-    stride = tuple(concrete_size(d, symbols) for d in meta.stride())
+    stride = traced_stride(meta, symbols)
     if stride == tensor.stride():
         return tensor
     out = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device)
     return out.copy_(tensor)
+
+
+def traced_stride(meta: Tensor, symbols: dict) -> tuple[int, ...]:
+    """The strides ``meta`` (a fake tensor with symbolic sizes) was traced with, at the sizes
+    ``symbols``."""
+    return tuple(concrete_size(d, symbols) for d in meta.stride())
 
 
 def sizes_of(meta, tensor: Tensor) -> dict:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import time
 
-from ..runtime.reuse import gather_rows
-from .graphs import as_traced, saved_size
+import torch
+
+from ..runtime.reuse import RowGather
+from .graphs import saved_size, traced_stride
 
 __all__ = ["Retain"]
 
@@ -26,6 +28,19 @@ class Retain:
                 runs.append((kept, [row]))
         return runs
 
+    def row_gather(self, runs) -> tuple[list, RowGather]:
+        """The distinct kept calls of ``runs`` (``kept_runs``), in order of first use, and the
+        gather of the update's rows from them (one plan for every tensor of the call)."""
+        sources: list = []
+        position: dict[int, int] = {}
+        pieces = []
+        for kept, rows in runs:
+            if id(kept) not in position:
+                position[id(kept)] = len(sources)
+                sources.append(kept)
+            pieces.append((position[id(kept)], rows))
+        return sources, RowGather([kept.batch for kept in sources], pieces)
+
     def gathered_saved(self, runs, total: int) -> list:
         """The saved values this graph's backward takes (``bw_saved`` order) for ``runs``
         (``kept_runs``) of ``total`` rows: each batch-major one gathered row by row from the
@@ -34,32 +49,56 @@ class Retain:
         g = self.g
         start = time.perf_counter()
         layouts = g.layouts["saved"]
-        first = runs[0][0]
+        sources, plan = self.row_gather(runs)
+        first = sources[0]
         symbols = dict(first.symbols)
         if g.batch_symbol is not None:
             symbols[g.batch_symbol] = total
+        at = self.saved_at(symbols)
         values = []
+        gathered = 0
         for k in g.bw_saved:
             layout = layouts[k]
             if layout == "symint":
-                values.append(saved_size(g, k, symbols))
+                values.append(at[k])
             elif layout is None:
                 values.append(first.saved[k])
             else:
-                tensor = gather_rows([(kept.saved[k], kept.batch, rows) for kept, rows in runs],
-                                     layout.outer, layout.inner)
-                tensor = as_traced(tensor, g.saved_meta[k], symbols)
-                self.step._state.stats.gathered_bytes += tensor.numel() * tensor.element_size()
+                tensor = plan([kept.saved[k] for kept in sources], layout.outer, layout.inner)
+                stride = at[k]
+                if stride is not None and stride != tensor.stride():
+                    tensor = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype,
+                                                 device=tensor.device).copy_(tensor)
+                gathered += tensor.numel() * tensor.element_size()
                 values.append(tensor)
-        self.step._state.stats.gather_seconds += time.perf_counter() - start
+        stats = self.step._state.stats
+        stats.gathered_bytes += gathered
+        stats.gather_seconds += time.perf_counter() - start
         return values
+
+    def saved_at(self, symbols: dict) -> dict:
+        """Per saved value at the sizes ``symbols``: a size's value, a batch-major tensor's
+        traced strides (``as_traced``), made once per sizes (sympy's substitution costs more
+        than the gather of a small tensor)."""
+        key = tuple(sorted(symbols.items(), key=lambda item: str(item[0])))
+        at = self.saved_at_sizes.get(key)
+        if at is None:
+            g, at = self.g, {}
+            for k, layout in enumerate(g.layouts["saved"]):
+                if layout == "symint":
+                    at[k] = saved_size(g, k, symbols)
+                elif layout is not None:
+                    meta = g.saved_meta[k]
+                    at[k] = traced_stride(meta, symbols) if isinstance(meta, torch.Tensor) \
+                        else None
+            self.saved_at_sizes[key] = at
+        return at
 
     def gather_output(self, j, runs):
         """Output ``j`` for ``runs`` (``kept_runs``): its rows gathered from the kept calls,
         or the first kept call's when it does not depend on the batch."""
         layout = self.g.layouts["outputs"][j]
-        first = runs[0][0]
+        sources, plan = self.row_gather(runs)
         if layout is None or layout == "symint":
-            return first.outputs[j]
-        return gather_rows([(kept.outputs[j], kept.batch, rows) for kept, rows in runs],
-                           layout.outer, layout.inner)
+            return sources[0].outputs[j]
+        return plan([kept.outputs[j] for kept in sources], layout.outer, layout.inner)

@@ -59,6 +59,9 @@ class GraphRuntime(Keys, Retain, Reweight):
             if n.op == "placeholder" and n.name.startswith("tangents")]
         """The backward graph's tangents as traced (their strides: a compiled backward
         assumes them; ``tangents_for``)."""
+        self.saved_at_sizes: dict[tuple, dict] = {}
+        """Per batch and sizes: the saved sizes' values and tensors' traced strides
+        (``Retain.saved_at``)."""
         self.rows_like: dict[str, int] = {}
         """For a graph specialised to a batch of 1: the rows per sample of each input, from the
         kept graph with a symbolic batch that computes the same (``_fingerprint_for``)."""

@@ -9,7 +9,8 @@ reused, so a collision can cost a lookup but never a wrong value.
 ``gather_rows(pieces, outer, inner)`` builds a batch from rows of kept tensors: each piece is a
 ``(tensor, batch, rows)`` triple, the tensor's dim 0 laid out as ``outer`` blocks of ``batch``
 samples of ``inner`` rows (``passes/row_layout.py``); the result has the pieces' rows, in order,
-in the same layout.
+in the same layout. ``RowGather`` is the same gather planned once for every tensor of a call
+(a regrouped update gathers dozens of saved tensors from the same kept calls, the same rows).
 
 ``Reused.apply(backward_fn, outputs, *inputs)`` returns ``outputs`` as the outputs of an
 autograd node whose backward is ``backward_fn(cotangents) -> grads of inputs``: the update's
@@ -24,7 +25,7 @@ import weakref
 import torch
 from torch import Tensor
 
-__all__ = ["row_hashes", "whole_hash", "gather_rows", "Reused", "storage_bytes",
+__all__ = ["row_hashes", "whole_hash", "gather_rows", "RowGather", "Reused", "storage_bytes",
            "values_digest"]
 
 _WEIGHTS: dict = {}
@@ -91,6 +92,53 @@ def values_digest(tensors) -> Tensor:
     if not sums:
         return torch.zeros(0, dtype=torch.int64)
     return torch.stack([x.to(sums[0].device) for x in sums])  # (parameters on several devices)
+
+
+class RowGather:
+    """The rows of a batch taken from several sources (kept calls), planned once and applied to
+    each tensor of those sources alike: ``RowGather(batches, pieces)`` with ``batches`` the
+    samples of each source and ``pieces`` the ``(source, rows)`` runs of the result in order;
+    ``plan(tensors, outer, inner)`` gathers from one tensor per source (dim 0: ``outer`` blocks
+    of ``batch`` samples of ``inner`` rows, as ``gather_rows``).
+
+    A small tensor (at most ``SMALL_BYTES`` of its sources' rows unused) is gathered with two
+    ops, whatever the order of its rows: the sources concatenated whole, then one
+    ``index_select`` (on small models each op's dispatch costs more than its copy; FlowGRPO's
+    shuffled re-batching makes 8 runs of one row out of two kept calls). A larger one is
+    gathered run by run (``gather_rows``), copying no unused row::
+
+        sources a (4 samples), b (4); pieces [(a, [1]), (b, [0]), (a, [3]), (b, [2])]
+        small:  index_select(cat([a, b], 1), 1, [1, 4, 3, 6])
+        large:  cat([a[:, [1]], b[:, [0]], a[:, [3]], b[:, [2]]], 1)
+    """
+
+    SMALL_BYTES = 1 << 18
+
+    __slots__ = ("batches", "pieces", "rows", "index", "identity")
+
+    def __init__(self, batches: list[int], pieces: list[tuple[int, list[int]]]):
+        self.batches = list(batches)
+        self.pieces = [(s, list(rows)) for s, rows in pieces]
+        offsets = [0]
+        for b in self.batches[:-1]:
+            offsets.append(offsets[-1] + b)
+        self.index = tuple(offsets[s] + r for s, rows in self.pieces for r in rows)
+        self.rows = len(self.index)
+        self.identity = self.index == tuple(range(sum(self.batches)))
+        """The result is the sources concatenated whole, in order."""
+
+    def __call__(self, tensors: list[Tensor], outer: int, inner: int) -> Tensor:
+        if not self.identity:
+            first = tensors[0]
+            per_sample = first.numel() * first.element_size() // max(1, self.batches[0])
+            if per_sample * (sum(self.batches) - self.rows) > self.SMALL_BYTES:
+                return gather_rows([(tensors[s], self.batches[s], rows)
+                                    for s, rows in self.pieces], outer, inner)
+        blocks = [t.reshape(outer, b, inner, *t.shape[1:]) for t, b in zip(tensors, self.batches)]
+        joined = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        if not self.identity:
+            joined = joined.index_select(1, _row_index(self.index, joined.device))
+        return joined.reshape(-1, *joined.shape[3:]).contiguous()
 
 
 def gather_rows(pieces: list[tuple[Tensor, int, list[int]]], outer: int, inner: int) -> Tensor:
