@@ -14,8 +14,8 @@ from ..capture import StepGraphs
 from ..runtime.reuse import gather_rows
 
 __all__ = ["readable", "empty_outputs", "batch_independent", "cotangent_rows", "saved_size",
-           "as_traced", "traced_stride", "sizes_of", "concrete_size", "SLICES", "row_shape",
-           "output_val", "output_shape", "numel_per_row"]
+           "as_traced", "restrided", "traced_stride", "sizes_of", "concrete_size", "SLICES",
+           "row_shape", "output_val", "output_shape", "numel_per_row"]
 
 
 def readable(source: str) -> str:
@@ -76,7 +76,11 @@ def as_traced(tensor: Tensor, meta, symbols: dict) -> Tensor:
     them. ``tensor`` itself when it has them already."""
     if not isinstance(meta, Tensor):
         return tensor
-    stride = traced_stride(meta, symbols)
+    return restrided(tensor, traced_stride(meta, symbols))
+
+
+def restrided(tensor: Tensor, stride: tuple[int, ...]) -> Tensor:
+    """``tensor``'s values with strides ``stride`` (``tensor`` itself when it has them)."""
     if stride == tensor.stride():
         return tensor
     out = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device)

@@ -9,7 +9,7 @@ import time
 import torch
 
 from ..runtime.reuse import RowGather
-from .graphs import saved_size, traced_stride
+from .graphs import restrided, saved_size, traced_stride
 
 __all__ = ["Retain"]
 
@@ -65,10 +65,8 @@ class Retain:
                 values.append(first.saved[k])
             else:
                 tensor = plan([kept.saved[k] for kept in sources], layout.outer, layout.inner)
-                stride = at[k]
-                if stride is not None and stride != tensor.stride():
-                    tensor = torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype,
-                                                 device=tensor.device).copy_(tensor)
+                if at[k] is not None:
+                    tensor = restrided(tensor, at[k])
                 gathered += tensor.numel() * tensor.element_size()
                 values.append(tensor)
         stats = self.step._state.stats
