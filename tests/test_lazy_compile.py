@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import leancompile
-from test_lean_step import _gaussian_step
+from test_lean_step import _gaussian_step, _sampling_step
 
 
 def _eager_grad(layer, step_fn, x, sample):
@@ -18,12 +18,7 @@ def _eager_grad(layer, step_fn, x, sample):
 
 @pytest.mark.parametrize("compiler", ["inductor", "aot_eager"])
 def test_an_update_that_reuses_compiles_nothing_of_its_own_graph(compiler):
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(8, 8)
-    step_fn = _gaussian_step(layer, detach_in_log_prob=True)
-    x, noise = torch.randn(4, 8), torch.randn(4, 8)
-    step = leancompile.lean_compile(step_fn, backend=compiler, schedule="retain",
-                                    sample_output=0, sample_arg="prev_sample")
+    layer, step_fn, x, noise, step = _sampling_step(compiler)
 
     def update(sample):
         layer.zero_grad()
@@ -51,12 +46,7 @@ def test_an_update_that_reuses_compiles_nothing_of_its_own_graph(compiler):
 
 
 def test_a_first_run_under_inference_mode_compiles_and_gives_eagers_values():
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(8, 8)
-    step_fn = _gaussian_step(layer, detach_in_log_prob=True)
-    x, noise = torch.randn(4, 8), torch.randn(4, 8)
-    step = leancompile.lean_compile(step_fn, backend="inductor", schedule="retain",
-                                    sample_output=0, sample_arg="prev_sample")
+    layer, step_fn, x, noise, step = _sampling_step("inductor")
     with torch.inference_mode():
         got = step(x, noise=noise)
         want = step_fn(x, noise=noise)

@@ -307,6 +307,19 @@ def _gaussian_step(layer, *, detach_in_log_prob: bool, through_buffer: bool = Fa
     return step
 
 
+def _sampling_step(compiler: str):
+    """A Linear's ``_gaussian_step`` (log-prob of the detached sample) under
+    ``lean_compile(schedule="retain")``, the sample passed back as ``prev_sample``: (layer,
+    step_fn, x, noise, step), seeded."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    step_fn = _gaussian_step(layer, detach_in_log_prob=True)
+    x, noise = torch.randn(4, 8), torch.randn(4, 8)
+    step = leancompile.lean_compile(step_fn, backend=compiler, schedule="retain",
+                                    sample_output=0, sample_arg="prev_sample")
+    return layer, step_fn, x, noise, step
+
+
 def _gaussian_loop(layer, step, x, noise, *, with_sample_term: bool):
     """One rollout call and its update; the update's loss optionally also reads the sample it
     passed back (a constant there). Returns the weight's gradient."""

@@ -602,14 +602,9 @@ def test_two_backwards_through_a_reused_call_under_inductor():
     reused the rollout: both backwards read the kept tensors. Inductor's backward donated them
     as scratch (AOTAutograd's ``donated_buffer``), and the second read overwritten ones: a
     gradient off by 64 against eager's. The capture traces without donated buffers."""
-    from test_lean_step import _gaussian_step
+    from test_lean_step import _sampling_step
 
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(8, 8)
-    step_fn = _gaussian_step(layer, detach_in_log_prob=True)
-    x, noise = torch.randn(4, 8), torch.randn(4, 8)
-    step = leancompile.lean_compile(step_fn, backend="inductor", schedule="retain",
-                                    sample_output=0, sample_arg="prev_sample")
+    layer, step_fn, x, noise, step = _sampling_step("inductor")
     with step.rollout(), torch.no_grad():
         sample, _ = step(x, noise=noise)
     layer.zero_grad()
