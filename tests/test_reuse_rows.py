@@ -52,3 +52,33 @@ def test_a_planned_gather_equals_indexing_on_both_of_its_paths(small, monkeypatc
     assert torch.equal(whole, torch.cat([a, b]))
     same = RowGather([4], [(0, [0, 1, 2, 3])])([a], 2, 3)
     assert torch.equal(same, a) and same.data_ptr() == a.data_ptr()  # (no copy)
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_a_gather_of_permuted_attention_layouts_keeps_their_strides(small, monkeypatch):
+    """Attention saves ``[B, heads, S, D]`` views of ``[B, S, heads, D]`` buffers: each sample
+    is one slab of memory but the tensor is not contiguous. The gathered rows equal indexing and
+    come out with the sources' strides (the ones the backward graph was traced with), on both
+    paths; a source with gaps between its samples (a slice) is gathered in logical order."""
+    if not small:
+        monkeypatch.setattr(RowGather, "SMALL_BYTES", 0)
+    a = torch.randn(4, 6, 2, 3).transpose(1, 2)  # batch 4: [4, 2, 6, 3], strides (36, 3, 6, 1)
+    b = torch.randn(3, 6, 2, 3).transpose(1, 2)  # batch 3
+    pieces = [(0, [1]), (1, [0]), (0, [3, 2]), (1, [2]), (0, [1])]
+    plan = RowGather([4, 3], pieces)
+    got = plan([a, b], 1, 1)
+    want = torch.cat([[a, b][s][rows] for s, rows in pieces])
+    assert torch.equal(got, want) and got.stride() == (36, 3, 6, 1)
+    assert torch.equal(plan([a.contiguous(), b.contiguous()], 1, 1), want)
+    gappy = torch.randn(4, 2, 6, 4)[..., :3]  # each sample's rows end in an unused column
+    other = torch.randn(3, 2, 6, 4)[..., :3]
+    got = plan([gappy, other], 1, 1)
+    assert torch.equal(got, torch.cat([[gappy, other][s][rows] for s, rows in pieces]))
+    assert got.is_contiguous()
+    # two rows per sample (inner 2), the other dims permuted: still one slab per sample
+    a2 = torch.randn(4 * 2, 6, 3).transpose(1, 2)  # [8, 3, 6], strides (18, 1, 3)
+    b2 = torch.randn(3 * 2, 6, 3).transpose(1, 2)
+    got = plan([a2, b2], 1, 2)
+    blocks = [a2.reshape(4, 2, 3, 6), b2.reshape(3, 2, 3, 6)]
+    want = torch.cat([blocks[s][rows] for s, rows in pieces]).reshape(-1, 3, 6)
+    assert torch.equal(got, want) and got.stride() == (18, 1, 3)

@@ -101,11 +101,18 @@ class RowGather:
     ``plan(tensors, outer, inner)`` gathers from one tensor per source (dim 0: ``outer`` blocks
     of ``batch`` samples of ``inner`` rows, as ``gather_rows``).
 
+    Where each sample is one contiguous slab of memory (``outer`` 1, the tensor dense with dim 0
+    outermost in memory, whatever the order of its other dims: attention's ``[B, heads, S, D]``
+    views of ``[B, S, heads, D]`` buffers), the rows are copied slab by slab into a buffer laid
+    out as the sources are, so the result has the sources' strides (the ones the forward
+    traced, which the backward graph expects) and no second copy restrides it; otherwise they
+    are gathered in the tensor's logical order and the result is contiguous.
+
     A small tensor (at most ``SMALL_BYTES`` of its sources' rows unused) is gathered with two
     ops, whatever the order of its rows: the sources concatenated whole, then one
     ``index_select`` (on small models each op's dispatch costs more than its copy; FlowGRPO's
     shuffled re-batching makes 8 runs of one row out of two kept calls). A larger one is
-    gathered run by run (``gather_rows``), copying no unused row::
+    gathered run by run (``gather_rows``, or one slab copy per run), copying no unused row::
 
         sources a (4 samples), b (4); pieces [(a, [1]), (b, [0]), (a, [3]), (b, [2])]
         small:  index_select(cat([a, b], 1), 1, [1, 4, 3, 6])
@@ -114,7 +121,7 @@ class RowGather:
 
     SMALL_BYTES = 1 << 18
 
-    __slots__ = ("batches", "pieces", "rows", "index", "identity")
+    __slots__ = ("batches", "pieces", "rows", "index", "identity", "runs")
 
     def __init__(self, batches: list[int], pieces: list[tuple[int, list[int]]]):
         self.batches = list(batches)
@@ -126,19 +133,81 @@ class RowGather:
         self.rows = len(self.index)
         self.identity = self.index == tuple(range(sum(self.batches)))
         """The result is the sources concatenated whole, in order."""
+        self.runs = []
+        """``(source, first row, rows)``: the result's consecutive rows from one source."""
+        for s, rows in self.pieces:
+            for r in rows:
+                last = self.runs[-1] if self.runs else None
+                if last is not None and last[0] == s and last[1] + last[2] == r:
+                    self.runs[-1] = (s, last[1], last[2] + 1)
+                else:
+                    self.runs.append((s, r, 1))
 
     def __call__(self, tensors: list[Tensor], outer: int, inner: int) -> Tensor:
-        if not self.identity:
-            first = tensors[0]
-            per_sample = first.numel() * first.element_size() // max(1, self.batches[0])
-            if per_sample * (sum(self.batches) - self.rows) > self.SMALL_BYTES:
-                return gather_rows([(tensors[s], self.batches[s], rows)
-                                    for s, rows in self.pieces], outer, inner)
+        first = tensors[0]
+        if self.identity and len(tensors) == 1:
+            return first
+        slab = _slab_layout(tensors, self.batches, inner) if outer == 1 else None
+        small = self.identity or (
+            first.numel() * first.element_size() // max(1, self.batches[0])
+            * (sum(self.batches) - self.rows) <= self.SMALL_BYTES)
+        if slab is not None:
+            return self._by_slab(tensors, slab, small)
+        if not small:
+            return gather_rows([(tensors[s], self.batches[s], rows)
+                                for s, rows in self.pieces], outer, inner)
         blocks = [t.reshape(outer, b, inner, *t.shape[1:]) for t, b in zip(tensors, self.batches)]
         joined = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         if not self.identity:
             joined = joined.index_select(1, _row_index(self.index, joined.device))
         return joined.reshape(-1, *joined.shape[3:]).contiguous()
+
+    def _by_slab(self, tensors: list[Tensor], slab: tuple, small: bool) -> Tensor:
+        """The gather on sample slabs (``_slab_layout``), the result strided as the sources."""
+        per_sample, shape, stride = slab
+        flats = [t.as_strided((b, per_sample), (per_sample, 1))
+                 for t, b in zip(tensors, self.batches)]
+        if small:
+            joined = flats[0] if len(flats) == 1 else torch.cat(flats)
+            out = joined if self.identity else joined.index_select(
+                0, _row_index(self.index, joined.device))
+        else:
+            out = torch.empty((self.rows, per_sample), dtype=tensors[0].dtype,
+                              device=tensors[0].device)
+            at = 0
+            for s, r, n in self.runs:
+                out[at:at + n].copy_(flats[s][r:r + n])
+                at += n
+        return out.as_strided((self.rows * shape[0], *shape[1:]), stride)
+
+
+def _slab_layout(tensors: list[Tensor], batches: list[int], inner: int):
+    """``(elements per sample, sizes per sample, strides)`` when every source is dense with
+    dim 0 outermost in memory (each sample one contiguous slab) and all lay a sample out
+    alike; None otherwise. The sizes per sample are ``(inner, *shape[1:])``."""
+    layout = None
+    for t, batch in zip(tensors, batches):
+        this = _sample_slab(tuple(t.shape), t.stride(), batch, inner)
+        if this is None or (layout is not None and this != layout):
+            return None
+        layout = this
+    return layout
+
+
+@functools.lru_cache(maxsize=4096)
+def _sample_slab(shape: tuple, stride: tuple, batch: int, inner: int):
+    """``_slab_layout`` for one tensor, from its sizes and strides (cached: a regrouped update
+    asks it for dozens of saved tensors per call, the same few layouts)."""
+    if not shape or shape[0] != batch * inner or batch == 0 or 0 in shape:
+        return None
+    dense = 1
+    for st, size in sorted((st, size) for st, size in zip(stride[1:], shape[1:]) if size != 1):
+        if st != dense:
+            return None  # overlapping or with gaps: not one slab per row
+        dense *= size
+    if shape[0] != 1 and stride[0] != dense:
+        return None  # dim 0 is not the outermost dim in memory
+    return dense * inner, (inner, *shape[1:]), (dense, *stride[1:])
 
 
 def gather_rows(pieces: list[tuple[Tensor, int, list[int]]], outer: int, inner: int) -> Tensor:
