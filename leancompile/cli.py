@@ -1,5 +1,6 @@
-"""Command line: ``leancompile explain FILE.py:NAME``, ``leancompile demo [explain|grpo]`` and
-``leancompile bench grpo``."""
+"""Command line: ``leancompile explain FILE.py:NAME``, ``leancompile demo [grpo|loop|race|explain|
+overlap]``, ``leancompile bench NAME``, ``leancompile plan``, ``leancompile trace``, ``leancompile
+check-inputs``."""
 
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
 
     d = sub.add_parser("demo", help="run a demo")
     d.add_argument("name", nargs="?", default="grpo",
-                   choices=("grpo", "loop", "explain", "overlap"))
+                   choices=("grpo", "loop", "race", "explain", "overlap"))
     d.add_argument("--out", default="leancompile-out", help="output folder")
     d.add_argument("--sp", action="store_true",
                    help="overlap demo: a Ulysses sequence-parallel FLUX instead of the TP+SP "

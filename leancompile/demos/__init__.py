@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = ["run_demo", "DEMOS"]
 
-DEMOS = ("grpo", "loop", "explain", "overlap")
+DEMOS = ("grpo", "loop", "race", "explain", "overlap")
 
 
 def run_demo(name: str, *, out: str, sp: int | None = None) -> int:
@@ -20,6 +20,10 @@ def run_demo(name: str, *, out: str, sp: int | None = None) -> int:
         return main(out=out, sp=sp)
     if name == "loop":
         from .loop_demo import main
+
+        return main(out=out)
+    if name == "race":
+        from .race import main
 
         return main(out=out)
     if name == "overlap":

@@ -84,18 +84,23 @@ def _tiny_vae(*, gain: float = 2.0, calibration_samples: int = 64):
     return vae
 
 
-def build_demo(*, seed: int = 0, num_inference_steps: int = 6):
-    """``(policy, vae)`` of the demo: a one-block Flux transformer as a ``FluxPolicy`` on
-    16x16 latents and a tiny VAE decoding them to 32x32 images (random weights, seeded)."""
+def build_demo(*, seed: int = 0, num_inference_steps: int = 6, attention_head_dim: int = 32):
+    """``(policy, vae)`` of the demo: a one-block Flux transformer (two heads of
+    ``attention_head_dim``, a multiple of 16) as a ``FluxPolicy`` on 16x16 latents and a tiny
+    VAE decoding them to 32x32 images (random weights, seeded)."""
     from diffusers import FluxTransformer2DModel
 
     from ..integrations.diffusers import FluxPolicy
 
+    if attention_head_dim < 16 or attention_head_dim % 16:
+        raise ValueError(f"attention_head_dim={attention_head_dim}: the three rotary axes take "
+                         "1/4, 3/8 and 3/8 of it in sin/cos pairs; pass a multiple of 16")
     torch.manual_seed(seed)
+    d = attention_head_dim
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=32,
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=d,
         num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=64,
-        axes_dims_rope=[8, 12, 12], guidance_embeds=True).eval()
+        axes_dims_rope=[d // 4, 3 * d // 8, 3 * d // 8], guidance_embeds=True).eval()
     vae = _tiny_vae()
     # 16x16 latents of 4 channels (packed 8x8 tokens of 16), decoded to 32x32 images.
     policy = FluxPolicy(transformer, num_inference_steps=num_inference_steps, height=16,

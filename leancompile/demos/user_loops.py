@@ -33,8 +33,8 @@ from ..grpo.sde import kl_to_reference, sde_step
 from ..grpo.timesteps import same_noise_latents
 from ..lean import synchronize
 
-__all__ = ["LoopConfig", "LoopResult", "flow_grpo_loop", "dance_grpo_loop", "make_step",
-           "phase"]
+__all__ = ["LoopConfig", "LoopResult", "flow_grpo_loop", "flow_grpo_iterations",
+           "dance_grpo_loop", "make_step", "phase"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,8 +79,13 @@ class LoopResult:
     history: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """The parameters after each iteration."""
     rewards: list[float] = field(default_factory=list)
+    """The mean reward of each iteration's rollout."""
     rollout_seconds: float = 0.0
     update_seconds: float = 0.0
+    rollout_times: list[float] = field(default_factory=list)
+    """Seconds of each iteration's rollout (sampling and scoring; FlowGRPO's loop only)."""
+    update_times: list[float] = field(default_factory=list)
+    """Seconds of each iteration's update (FlowGRPO's loop only)."""
 
 
 def phase(fn, name: str, **kwargs):
@@ -197,6 +202,20 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
     timesteps, re-batch with ``train_batch`` and train with PPO and gradient accumulation.
     ``fn`` is the velocity (``level="model"``) or the step (``level="step"``), plain or
     wrapped; ``reference``: the frozen policy for the KL (``beta > 0``)."""
+    result = LoopResult(params={})
+    for result in flow_grpo_iterations(policy, fn, config, reference=reference, seed=seed,
+                                       reward=reward):
+        pass
+    if not result.history:  # no iteration: the parameters as they are
+        result.params = _state(policy)
+    return result
+
+
+def flow_grpo_iterations(policy, fn, config: LoopConfig, *, reference=None, seed: int = 0,
+                         reward=_reward):
+    """``flow_grpo_loop`` one iteration at a time: yields its ``LoopResult`` after each
+    iteration (the same object, grown by one entry of ``rewards``, ``history``,
+    ``rollout_times`` and ``update_times``), so that two loops can be run in alternation."""
     gen = torch.Generator().manual_seed(seed)
     steps = len(policy.sigmas) - 1
     n_train = max(1, int(steps * config.timestep_fraction))
@@ -222,7 +241,8 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
         trajectories, log_probs = torch.cat(trajectories), torch.cat(log_probs)
         advantages = _advantages(trajectories, reward, config, result)
         synchronize(trajectories.device)
-        result.rollout_seconds += time.perf_counter() - start
+        result.rollout_times.append(time.perf_counter() - start)
+        result.rollout_seconds += result.rollout_times[-1]
 
         start = time.perf_counter()
         if config.shuffle:
@@ -253,10 +273,11 @@ def flow_grpo_loop(policy, fn, config: LoopConfig, *, reference=None, seed: int 
                                                                     kl_std).mean()
                     accumulation.backward(loss)
         synchronize(trajectories.device)
-        result.update_seconds += time.perf_counter() - start
+        result.update_times.append(time.perf_counter() - start)
+        result.update_seconds += result.update_times[-1]
         result.history.append(_state(policy))
-    result.params = _state(policy)
-    return result
+        result.params = result.history[-1]
+        yield result
 
 
 def dance_grpo_loop(policy, fn, config: LoopConfig, *, seed: int = 0,
