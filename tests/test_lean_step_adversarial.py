@@ -668,3 +668,80 @@ def test_rows_of_two_sampling_batches_regrouped_under_inductor(base, small, monk
     assert stats.mechanisms["gathered rows"] == 6, stats.summary()
     assert _rel(got, ref) <= 1e-5, _rel(got, ref)
     assert _rel(torch.stack(outs), torch.stack(ref_outs)) <= 1e-5
+
+
+def _flow_grpo_step(model):
+    """DanceGRPO's spelling of a sampling step (``flux_step``): the next latent drawn when no
+    ``prev_sample`` is given, and the one given returned as it is, with the log-prob of its
+    detached value and the mean. (FlowGRPO's ``sde_step_with_logprob`` returns
+    ``prev_sample.float()``, an alias inside the graph, which matched before.)"""
+    def step(x, t, cond, noise=None, prev_sample=None):
+        mean = x + 0.1 * model(x, t, cond)
+        if prev_sample is None:
+            prev_sample = mean + 0.3 * noise
+        log_prob = -((prev_sample.detach() - mean) ** 2).mean(-1) / 0.18
+        return prev_sample, log_prob, mean
+    return step
+
+
+def _flow_grpo_loop(fn, step, plan, *, mean_term=True):
+    """Two sampling batches of 4 (T steps, the first 3 trained), then update calls on the
+    ``plan``'s rows of the 8 samples at each trained step: PPO's ratio of the log-probs (and a
+    KL-like term on the mean: not for Reweight, which serves log-probs only), ``backward`` per
+    call. Returns (the sample each update call got back and its prev_sample argument, per
+    call)."""
+    g = torch.Generator().manual_seed(3)
+    xs, cond, lps = [], torch.randn(8, C, generator=g), []
+    with _phase(step, "rollout", train=3, trajectory_steps=T), torch.no_grad():
+        for b in range(2):
+            traj, lp = [torch.randn(4, D, generator=g)], []
+            for k in range(T):
+                noise = torch.randn(4, D, generator=g)
+                sample, log_prob, _ = fn(traj[-1], torch.full((4,), k), cond[4 * b:4 * b + 4],
+                                         noise=noise)
+                traj.append(sample)
+                lp.append(log_prob)
+            xs.append(torch.stack(traj, 1))
+            lps.append(torch.stack(lp, 1))
+    xs, lps = torch.cat(xs), torch.cat(lps)  # [8, T + 1, D], [8, T]
+    adv = torch.linspace(-1, 1, 8)
+    returned = []
+    with _phase(step, "update"):
+        for rows, k in plan:
+            rows = torch.tensor(rows)
+            given = xs[rows, k + 1]
+            sample, log_prob, mean = fn(xs[rows, k], torch.full((len(rows),), k), cond[rows],
+                                        prev_sample=given)
+            returned.append((sample, given))
+            ratio = torch.exp(log_prob - lps[rows, k])
+            loss = -(adv[rows] * ratio).mean()
+            (loss + 0.01 * mean.square().mean() if mean_term else loss).backward()
+    return returned
+
+
+MIXED = [(rows, k) for rows in ([5, 0, 6, 3], [1, 7, 2, 4]) for k in range(3)]
+ONE_BY_ONE = [([i], k) for i in (6, 1, 3) for k in range(3)]  # DanceGRPO: batch 1
+
+
+@pytest.mark.parametrize("compiler,schedule,plan", [
+    ("inductor", "retain", MIXED), ("inductor", "retain", ONE_BY_ONE),
+    ("aot_eager", "reweight", MIXED)])
+def test_a_step_returning_the_given_sample_as_it_is_reuses_the_rollout(compiler, schedule,
+                                                                       plan):
+    """DanceGRPO's SDE step returns the ``prev_sample`` it was given: Dynamo returns that input
+    outside the update's graph, which then has one output fewer than the rollout's, and no
+    update call matched a kept one (0 of 6 reused: "no kept rollout call computes the same
+    function"). Now every call is served, the sample returned is the tensor passed in, and the
+    gradients equal eager autograd's on the same loop, regrouped rows and batch-1 calls alike."""
+    mean_term = schedule == "retain"
+    reference = Policy(seed=1)
+    _flow_grpo_loop(_flow_grpo_step(reference), None, plan, mean_term=mean_term)
+    model = Policy(seed=1)
+    step = leancompile.lean_compile(_flow_grpo_step(model), backend=compiler, schedule=schedule,
+                                    sample_output=0, sample_arg="prev_sample")
+    returned = _flow_grpo_loop(step, step, plan, mean_term=mean_term)
+    stats = step.stats
+    assert stats.reused_calls == stats.update_calls == len(plan), stats.summary()
+    assert stats.forwards_run == 0, stats.summary()
+    assert all(sample is given for sample, given in returned)
+    assert _rel(_grads(model), _grads(reference)) <= 1e-5, _rel(_grads(model), _grads(reference))

@@ -191,6 +191,17 @@ class StepGraphs:
     def trainable(self) -> bool:
         return self.run_backward is not None
 
+    @property
+    def passthrough_fingerprint(self) -> tuple:
+        """``sample_fingerprint`` without the sample's entry: what an update graph computes
+        when the step returns its sample argument itself (FlowGRPO's SDE step returns the
+        ``prev_sample`` it was given). Dynamo returns such an input outside the graph, so that
+        graph has one output fewer; ``()`` when the sample output is not the sample alone."""
+        fp, j = self.sample_fingerprint, self.sample_output
+        if not fp or j is None or j >= len(fp) or fp[j] != "<sample>":
+            return ()
+        return fp[:j] + fp[j + 1:]
+
     def fingerprints_at(self, args) -> tuple[tuple, tuple]:
         """(fingerprint, sample fingerprint) of this graph traced with concrete ``args`` (real
         tensors): what a graph Dynamo specialised for those sizes (a batch of 1) computes, to

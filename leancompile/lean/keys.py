@@ -134,7 +134,8 @@ class Keys:
             return g.fingerprint
         for kept in state.kept:
             runtime = kept.runtime
-            if g.fingerprint in (runtime.g.fingerprint, runtime.g.sample_fingerprint):
+            if g.fingerprint in (runtime.g.fingerprint, runtime.g.sample_fingerprint,
+                                 runtime.g.passthrough_fingerprint):
                 self.rows_like = {r.source: r.batch_rows for r in runtime.g.roles
                                   if r.batch_rows}
                 return g.fingerprint
@@ -143,11 +144,15 @@ class Keys:
             if runtime.g.batch_symbol is None:
                 continue
             full, sample = runtime.fingerprints_at_one(kept)
-            if g.fingerprint in (full, sample):
+            j = runtime.g.sample_output
+            passthrough = sample[:j] + sample[j + 1:] if sample and sample[j] == "<sample>" \
+                else ()
+            if g.fingerprint in (full, sample, passthrough or None):
                 self.rows_like = {r.source: r.batch_rows for r in runtime.g.roles
                                   if r.batch_rows}
                 return runtime.g.fingerprint if g.fingerprint == full else \
-                    runtime.g.sample_fingerprint
+                    runtime.g.sample_fingerprint if g.fingerprint == sample else \
+                    runtime.g.passthrough_fingerprint
         return g.fingerprint
 
     def fingerprints_at_one(self, kept: KeptCall) -> tuple[tuple, tuple]:
@@ -175,7 +180,8 @@ class Keys:
         kept graph that computes the same at 1: ``_fingerprint_for``)."""
         state = self.step._state
         same_graph = [k for k in state.kept if fingerprint in (
-            k.runtime.g.fingerprint, k.runtime.g.sample_fingerprint or None)]
+            k.runtime.g.fingerprint, k.runtime.g.sample_fingerprint or None,
+            k.runtime.g.passthrough_fingerprint or None)]
         if not same_graph:
             return ("no kept rollout call computes the same function (another graph: a changed "
                     "module state such as a disabled adapter, training mode, autocast, a hook added "

@@ -253,8 +253,9 @@ class GraphRuntime(Keys, Retain, Reweight):
         keys = self.keys(args, batch, g.fingerprint)
         state.add(kept, keys)
         if g.sample_fingerprint:  # an update passing the drawn sample back matches these keys
-            state.index_rows(kept, self.keys(args, batch, g.sample_fingerprint,
-                                             g.sample_key_inputs))
+            sample_keys = g.sample_fingerprint, g.passthrough_fingerprint
+            for fingerprint in filter(None, sample_keys):  # (also one returning it as given)
+                state.index_rows(kept, self.keys(args, batch, fingerprint, g.sample_key_inputs))
         return self._finish(outputs, args)
 
     def _choose(self, args, batch, rows) -> tuple[str | None, str]:

@@ -30,6 +30,13 @@ class ServedUpdate:
         self.kept_graph = self.runs[0][0].runtime
         """The runtime of the graph that kept the rows (every run's, or ``refusal`` says)."""
         self.layouts = self.kept_graph.g.layouts
+        kept_g = self.kept_graph.g
+        self.out_map = list(range(kept_g.num_outputs))
+        """The kept graph's output for each of this call's outputs: the same, but where the
+        step returned its sample argument as given (``passthrough_fingerprint``): Dynamo
+        returns it outside this call's graph, which lacks that output."""
+        if self.g.num_outputs != kept_g.num_outputs:
+            del self.out_map[kept_g.sample_output]
         self.whole = all(rows == list(range(k.batch)) for k, rows in self.runs) and \
             len({id(k) for k, _ in self.runs}) == len(self.runs)
         """Every kept call served whole, each once (no rows regrouped)."""
@@ -60,12 +67,12 @@ class ServedUpdate:
         outputs = []
         kept_storages = {o.untyped_storage().data_ptr() for kept, _ in runs
                          for o in kept.outputs if isinstance(o, Tensor)}
-        for j in range(g.num_outputs):
+        for j, k in enumerate(self.out_map):
             if g.output_types[j] == "input":
                 outputs.append(args[g.output_bases[j]])
                 continue
-            out = runs[0][0].outputs[j] if len(runs) == 1 and self.whole else \
-                self.kept_graph.gather_output(j, runs)
+            out = runs[0][0].outputs[k] if len(runs) == 1 and self.whole else \
+                self.kept_graph.gather_output(k, runs)
             # A copy, never the kept tensor (or a view of it): an in-place edit of the served
             # output (v.mul_(dt)) would rewrite the rollout's output the caller holds and what
             # the backward reads.
@@ -108,7 +115,10 @@ class ServedUpdate:
         # a constant there, differentiable in a rollout graph that drew it) brings no
         # gradient, whatever the kept graph would make of its cotangent.
         differentiable = set(self.g.differentiable)
-        cotangents = [c if j in differentiable else None for j, c in enumerate(cotangents)]
+        mine = [c if j in differentiable else None for j, c in enumerate(cotangents)]
+        cotangents = [None] * self.kept_graph.g.num_outputs  # (the kept graph's outputs)
+        for j, k in enumerate(self.out_map):
+            cotangents[k] = mine[j]
         total: dict[str, Tensor] = {}
         if self.retain:
             self._retained(cotangents, total)
@@ -146,7 +156,7 @@ class ServedUpdate:
         else:
             kg = retain_runs[0][0].runtime
             bw_saved = kg.gathered_saved(retain_runs, len(update_rows))
-            outs = [kg.gather_output(j, retain_runs) for j in range(self.g.num_outputs)]
+            outs = [kg.gather_output(j, retain_runs) for j in range(kg.g.num_outputs)]
             cots = [cotangent_rows(c, out_layouts, j, batch, update_rows)
                     for j, c in enumerate(cotangents)]
             grads = kg.backward(bw_saved, outs, cots)
