@@ -314,6 +314,7 @@ class LeanStep:
                              "trajectory makes (its denoising steps), an int >= 1, or None")
         state.unwatch_optimizers()
         state.clear()
+        state.start_cycle((len(self.graphs), sum(len(g.compiled) for g in self.graphs)))
         state.stale = None
         state.schedule = schedule or self.config.schedule
         state.samples = samples
@@ -564,7 +565,8 @@ def lean_compile(fn=None, *, backend: str = "inductor", **options):
     ``update()`` phases in which an update call reuses the rollout's forward (LeanGRPO); for a
     module, a ``LeanModule`` (the module as before, its calls through such a step). It
     also takes ``sample_output`` and ``sample_arg`` (a step that draws its sample inside),
-    ``memory_budget_bytes`` and ``memory_fraction`` (``auto``'s budget), ``partitioner_budget``,
+    ``memory_budget_bytes`` and ``memory_fraction`` (``auto``'s budget), ``auto_measured``
+    (``auto`` also weighs measured costs), ``partitioner_budget``,
     ``reshard_after_forward`` and ``reweight_rows``; see ``StepConfig``. Any other keyword
     raises ``TypeError``.
     """

@@ -34,6 +34,11 @@ class StepConfig:
     """``auto``: bytes the kept state may take; None: ``memory_fraction`` of the free memory
     when the rollout starts."""
     memory_fraction: float = 0.5
+    auto_measured: bool = True
+    """``auto`` also weighs what keeping cost against what it saved, measured on the CPU in
+    one process (``leancompile/lean/costs.py``), and keeps nothing once a rollout and its
+    update lost by keeping. False: by memory alone (a choice that does not depend on the
+    machine's timings, and so neither do the results' rounding)."""
     partitioner_budget: float | None = None
     """The min-cut partitioner's activation memory budget (0..1): below 1 the forward saves
     less and the backward recomputes cheap ops (what Retain keeps shrinks)."""

@@ -69,9 +69,11 @@ class Retain:
                     tensor = restrided(tensor, at[k])
                 gathered += tensor.numel() * tensor.element_size()
                 values.append(tensor)
-        stats = self.step._state.stats
-        stats.gathered_bytes += gathered
-        stats.gather_seconds += time.perf_counter() - start
+        state = self.step._state
+        seconds = time.perf_counter() - start
+        state.stats.gathered_bytes += gathered
+        state.stats.gather_seconds += seconds
+        state.ledger.gather_seconds += seconds
         return values
 
     def saved_at(self, symbols: dict) -> dict:

@@ -7,6 +7,7 @@ reason). Its parts: row keys and matching (``keys.py``), Retain's gathered rows
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import Counter
 
@@ -85,7 +86,19 @@ class GraphRuntime(Keys, Retain, Reweight):
                 state.stats.forwards_run += 1
             else:
                 state.stats.no_grad_calls += 1
+        if state.phase == "rollout" and not grad:
+            return self._inference_timed(args)
         return self._plain(args, grad)
+
+    def _inference_timed(self, args):
+        """An untrained rollout call, its time in the cycle's ledger (``costs.py``: F0)."""
+        ledger, ready = self.step._state.ledger, "inference" in self.g.compiled
+        start = time.perf_counter()
+        out = self._plain(args, False)
+        if ready and ledger.note(args):
+            ledger.infer_seconds += time.perf_counter() - start
+            ledger.infer_rows += self.batch_of(args)
+        return out
 
     def _check_frozen(self, args) -> None:
         """Refuse a call where an input that did not require grad when the graphs were traced
@@ -194,6 +207,7 @@ class GraphRuntime(Keys, Retain, Reweight):
 
     def _rollout_kept(self, args, train_rows: list[int], grad: bool):
         state, g = self.step._state, self.g
+        start, ready = time.perf_counter(), "forward" in g.compiled  # (a compile: not timed)
         if grad:
             raise ValueError("the rollout's trained calls must run under torch.no_grad() (their "
                              "outputs carry no autograd graph: the update gets the gradients)")
@@ -221,8 +235,10 @@ class GraphRuntime(Keys, Retain, Reweight):
         if mode is None:
             state.stats.kept[why] += 1
             return self._plain(args, False)
+        forward_start = time.perf_counter()
         with torch.no_grad():
             full = list(g.run_forward(args))
+        forward_seconds = time.perf_counter() - forward_start
         outputs, saved = full[:g.num_outputs], full[g.num_outputs:]
         kept = KeptCall(runtime=self, mode=mode, args=args, batch=batch, outputs=outputs,
                      saved=saved if mode == "retain" else None, grads={}, rows=train_rows,
@@ -256,6 +272,11 @@ class GraphRuntime(Keys, Retain, Reweight):
             sample_keys = g.sample_fingerprint, g.passthrough_fingerprint
             for fingerprint in filter(None, sample_keys):  # (also one returning it as given)
                 state.index_rows(kept, self.keys(args, batch, fingerprint, g.sample_key_inputs))
+        ledger = state.ledger
+        if mode == "retain" and ready and ledger.note(args):
+            ledger.keep_seconds += time.perf_counter() - start
+            ledger.forward_seconds += forward_seconds
+            ledger.kept_rows += batch
         return self._finish(outputs, args)
 
     def _choose(self, args, batch, rows) -> tuple[str | None, str]:
@@ -275,7 +296,10 @@ class GraphRuntime(Keys, Retain, Reweight):
             return "reweight", ""
         if schedule == "retain":
             return "retain", ""
-        # auto: retain while the kept activations fit, then reweight, else nothing.
+        # auto: retain while the kept activations fit, then reweight, else nothing; nothing
+        # once a cycle measured that keeping cost more than it saved (costs.py).
+        if state.auto_off:
+            return None, state.auto_off
         estimate = g.kept_bytes(batch)
         if state.kept_bytes + estimate <= state.budget:
             return "retain", ""
@@ -294,12 +318,13 @@ class GraphRuntime(Keys, Retain, Reweight):
     def _update(self, args):
         state = self.step._state
         state.stats.update_calls += 1
+        start = time.perf_counter()
         assignment, reason = self.match_kept(args)
         if assignment is None:
             if state.kept:  # (a parameter change frees everything: recomputed everywhere)
                 return self._fallback(args, reason)
             return self._recompute(args, reason)
-        return self._reuse(args, assignment)
+        return self._reuse(args, assignment, start)
 
     def _fallback(self, args, reason: str):
         """An update call that should have reused kept state and cannot: recomputed, or
@@ -313,15 +338,20 @@ class GraphRuntime(Keys, Retain, Reweight):
                 "parameter change in between)")
         return self._recompute(args, reason)
 
-    def _reuse(self, args, assignment):
+    def _reuse(self, args, assignment, start: float):
         """An update call served from the kept calls that hold its rows (``serve.py``), or
-        recomputed (``_fallback``) where they cannot serve it."""
+        recomputed (``_fallback``) where they cannot serve it. ``start``: when the call began
+        (its matching and outputs go in the cycle's ledger)."""
         served = ServedUpdate(runtime=self, args=args, assignment=assignment)
         refused = served.refusal()
         if refused:
             return self._fallback(args, refused)
         outputs = served.outputs()
         served.claim()
+        ledger = self.step._state.ledger
+        if served.retain and ledger.timed:
+            ledger.serve_seconds += time.perf_counter() - start
+            ledger.served_rows += len(served.retain)
         results = Reused.apply(served.backward, outputs, *[args[i] for i in served.trainable])
         return self._finish(results, args)
 

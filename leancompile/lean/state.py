@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .config import StepConfig, StepStats
+from .costs import Ledger, verdict
 
 __all__ = ["TrainSpec", "KeptCall", "StepState", "free_memory_bytes", "synchronize", "sample_ids",
            "buffer_bytes"]
@@ -132,6 +133,11 @@ class StepState:
         served (a step served twice cannot be: the buffer holds each step once)."""
         self.graphs_called: list = []
         self.stats = StepStats()
+        self.ledger = Ledger()
+        """This rollout's and update's measured costs (``costs.py``)."""
+        self.auto_off: str | None = None
+        """Why ``auto`` keeps nothing any more (``costs.verdict``), once a cycle showed that
+        keeping cost more than it saved."""
         self.stale: str | None = None
         """Why nothing is kept any more, when the parameters changed after the rollout."""
         self._step_hook = None
@@ -141,6 +147,13 @@ class StepState:
         that reads them:
         compared by each update call, for writes through ``.data`` (manual SGD, an EMA copied
         in) that neither version counters nor the optimizer hook see."""
+
+    def start_cycle(self, graphs: tuple) -> None:
+        """At a rollout's entry: auto's verdict on the cycle ending here, then a new ledger.
+        ``graphs``: the step's graphs and compiled phases now (``costs.Ledger.graphs``)."""
+        if self.auto_off is None and self.config.auto_measured:
+            self.auto_off = verdict(self.ledger, graphs)
+        self.ledger = Ledger(graphs=graphs)
 
     def watch_optimizers(self) -> None:
         """While something is kept: any ``optimizer.step()`` over a kept call's parameters
