@@ -745,3 +745,52 @@ def test_a_step_returning_the_given_sample_as_it_is_reuses_the_rollout(compiler,
     assert stats.forwards_run == 0, stats.summary()
     assert all(sample is given for sample, given in returned)
     assert _rel(_grads(model), _grads(reference)) <= 1e-5, _rel(_grads(model), _grads(reference))
+
+
+class ConvPolicy(nn.Module):
+    """Convolutions on channels-last activations (a UNet's layout): Inductor's layout
+    optimisation returns saved tensors (the convolution's weight laid out channels-last) with
+    other strides than the graph was traced with."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 3, 3, padding=1)
+
+    def forward(self, x, t):
+        h = torch.relu(self.c1(x.contiguous(memory_format=torch.channels_last)))
+        return self.c2(h * t.view(-1, 1, 1, 1).float())
+
+
+def _conv_loop(model, step, plan):
+    g = torch.Generator().manual_seed(1)
+    fn = step or model
+    xs = [torch.randn(4, 3, 6, 6, generator=g)]
+    with _phase(step, "rollout", train=3), torch.no_grad():
+        for k in range(3):
+            xs.append(xs[-1] + 0.1 * fn(xs[-1], torch.full((4,), k)))
+    model.zero_grad()
+    with _phase(step, "update"):
+        for rows in plan:
+            for k in range(3):
+                r = torch.tensor(rows)
+                out = fn(xs[k][r], torch.full((len(rows),), k))
+                (out.square().sum((1, 2, 3)) * torch.arange(1.0, len(rows) + 1)).sum().backward()
+    return _grads(model)
+
+
+@pytest.mark.parametrize("schedule", ["recompute", "retain"])
+def test_channels_last_convolutions_under_inductor(schedule):
+    """Inductor's forward returned a convolution's saved weight contiguous where the backward,
+    compiled from the traced graph, asserts channels-last: "expected size 8==8, stride 1==9"
+    in every schedule, recompute included. Saved tensors are now laid out as traced before
+    the backward; regrouped rows and a batch-1 call give eager autograd's gradients."""
+    plan = ([2, 0, 3], [1])
+    reference = ConvPolicy()
+    ref = _conv_loop(reference, None, plan)
+    model = ConvPolicy()
+    step = leancompile.lean_compile(model, backend="inductor", schedule=schedule)
+    got = _conv_loop(model, step, plan)
+    assert step.stats.reused_calls == (6 if schedule == "retain" else 0), step.stats.summary()
+    assert _rel(got, ref) <= 1e-5, _rel(got, ref)

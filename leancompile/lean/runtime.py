@@ -17,7 +17,8 @@ from torch import Tensor
 from ..capture import RandomOpInGraphError, StepGraphs
 from ..runtime.reuse import Reused, storage_bytes, values_digest
 from .config import ReuseWarning, StepStats
-from .graphs import as_traced, empty_outputs, numel_per_row, output_shape, readable, sizes_of
+from .graphs import (as_traced, empty_outputs, numel_per_row, output_shape, readable, restrided,
+                     sizes_of, traced_stride)
 from .keys import Keys
 from .retain import Retain
 from .reweight import Reweight
@@ -60,6 +61,17 @@ class GraphRuntime(Keys, Retain, Reweight):
             if n.op == "placeholder" and n.name.startswith("tangents")]
         """The backward graph's tangents as traced (their strides: a compiled backward
         assumes them; ``tangents_for``)."""
+        self._saved_metas = [] if backward is None else [
+            n.meta.get("val") for n in backward.graph.nodes
+            if n.op == "placeholder" and not n.name.startswith("tangents")]
+        self._relaid = step.options.compiler == "inductor" and graphs.forward is not None and any(
+            n.target is torch.ops.aten.convolution.default for n in graphs.forward.graph.nodes)
+        """Inductor lays a convolution's tensors out its own way (layout optimisation, e.g.
+        channels-last weights) and its forward may return saved tensors with other strides
+        than traced, while the backward compiled here asserts the traced ones (AOTAutograd
+        compiles its backward for the forward's strides instead): such saved tensors are laid
+        out as traced before the backward (``_saved_as_traced``)."""
+        self._saved_strides: dict[tuple, tuple] = {}
         self.saved_at_sizes: dict[tuple, dict] = {}
         """Per batch and sizes: the saved sizes' values and tensors' traced strides
         (``Retain.saved_at``)."""
@@ -189,8 +201,25 @@ class GraphRuntime(Keys, Retain, Reweight):
         of every input (None where none)."""
         tangents = self.tangents_for(outputs, cotangents)
         self.step._state.stats.backward_graphs_run += 1
+        if self._relaid:
+            bw_saved = self._saved_as_traced(bw_saved)
         with torch.no_grad():
             return list(self.g.run_backward(list(bw_saved) + tangents))
+
+    def _saved_as_traced(self, saved) -> list:
+        """``saved`` (the backward's saved inputs, in order) with the strides the backward was
+        traced with (per input and shape, worked out once)."""
+        out = []
+        for i, t in enumerate(saved):
+            meta = self._saved_metas[i] if i < len(self._saved_metas) else None
+            if isinstance(t, Tensor) and isinstance(meta, Tensor):
+                key = (i, tuple(t.shape))
+                stride = self._saved_strides.get(key)
+                if stride is None:
+                    stride = self._saved_strides[key] = traced_stride(meta, sizes_of(meta, t))
+                t = restrided(t, stride)
+            out.append(t)
+        return out
 
     def _rollout(self, args, train_rows: list[int], grad: bool):
         """A trained rollout call. Under ``torch.inference_mode()`` (or with inference tensors
