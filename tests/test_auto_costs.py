@@ -18,7 +18,7 @@ def _ledger(**overrides):
     # F0 1 ms a row; 10 kept rows: 30 ms whole, 20 ms of it their forward (F 2 ms a row)
     figures = dict(infer_seconds=16 * MS, infer_rows=16, keep_seconds=30 * MS,
                    forward_seconds=20 * MS, kept_rows=10, serve_seconds=2 * MS, served_rows=5,
-                   gather_seconds=3 * MS, timed=True, graphs=(1, 3))
+                   gather_seconds=3 * MS, update_calls=3, timed=True, graphs=(1, 3))
     figures.update(overrides)
     return Ledger(**figures)
 
@@ -37,11 +37,12 @@ def test_the_verdict_weighs_what_keeping_cost_against_the_forwards_it_saved():
                            serve_seconds=0.0, gather_seconds=0.0), (1, 3)) is None  # 102 vs 100
 
 
-@pytest.mark.parametrize("change", [dict(infer_rows=0), dict(kept_rows=0), dict(timed=False),
-                                    dict(timed=None), dict(graphs=(1, 2))])
+@pytest.mark.parametrize("change", [dict(infer_rows=0), dict(kept_rows=0), dict(update_calls=0),
+                                    dict(timed=False), dict(timed=None), dict(graphs=(1, 2))])
 def test_no_verdict_without_a_clean_measurement(change):
-    """No inference call (no F0), nothing kept, a device clock, or a graph captured or compiled
-    in the cycle (its calls' times hold the compile): no verdict."""
+    """No inference call (no F0), nothing kept, no update after the rollout (sampled for an
+    evaluation: nothing to weigh), a device clock, or a graph captured or compiled in the cycle
+    (its calls' times hold the compile): no verdict."""
     assert verdict(_ledger(**change), (1, 3)) is None
 
 

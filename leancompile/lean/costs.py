@@ -52,6 +52,8 @@ class Ledger:
     """Rows of the kept calls' batches (the forward runs them all, trained or not)."""
     serve_seconds: float = 0.0
     served_rows: int = 0
+    update_calls: int = 0
+    """Trained update calls (served or not): a rollout no update followed is not judged."""
     gather_seconds: float = 0.0
     timed: bool | None = None
     """Whether host time is the device's (``host_timed``), from the cycle's first timed call."""
@@ -76,9 +78,11 @@ def host_timed(tensors) -> bool:
 
 def verdict(ledger: Ledger, graphs: tuple = ()) -> str | None:
     """Why auto should keep nothing from now on, or None (keeping paid, or too little was
-    measured: no inference call to give F0, no kept call, a device clock, a graph captured or
-    compiled in the cycle: ``graphs`` is now's count, against ``Ledger.graphs``)."""
-    if not (ledger.timed and ledger.infer_rows and ledger.kept_rows) or graphs != ledger.graphs:
+    measured: no inference call to give F0, no kept call, no update call after the rollout (a
+    rollout sampled for evaluation), a device clock, a graph captured or compiled in the
+    cycle: ``graphs`` is now's count, against ``Ledger.graphs``)."""
+    if not (ledger.timed and ledger.infer_rows and ledger.kept_rows and ledger.update_calls) \
+            or graphs != ledger.graphs:
         return None
     f0 = ledger.infer_seconds / ledger.infer_rows
     f = ledger.forward_seconds / ledger.kept_rows

@@ -347,6 +347,7 @@ class GraphRuntime(Keys, Retain, Reweight):
     def _update(self, args):
         state = self.step._state
         state.stats.update_calls += 1
+        state.ledger.update_calls += 1
         start = time.perf_counter()
         assignment, reason = self.match_kept(args)
         if assignment is None:
