@@ -92,6 +92,7 @@ class Keys:
         fingerprint = self._fingerprint_for(args, batch)
         keys = self.keys(args, batch, fingerprint)
         assignment = []
+        fresh: dict[int, bool] = {}  # id(kept call) -> its parameters unchanged (_stale)
         for row, key in enumerate(keys):
             candidates = state.index.get(key, [])
             if not candidates:
@@ -104,8 +105,7 @@ class Keys:
                              key=lambda c: ((id(c[0]), c[1]) in taken, c[1] in c[0].used))
             found, stale, edited = None, 0, 0
             for c in ordered:
-                if any(s in c[0].versions and c[0].versions[s] != v
-                       for s, v in versions.items()):
+                if self._stale(c[0], versions, fresh):
                     stale += 1
                 elif c[0].changed():
                     edited += 1
@@ -125,6 +125,19 @@ class Keys:
                 return None, f"row {row}: inputs not seen in the rollout (fingerprint collision)"
             assignment.append(found)
         return assignment, ""
+
+    @staticmethod
+    def _stale(kept: KeptCall, versions: dict, fresh: dict) -> bool:
+        """Whether a parameter ``kept`` read has changed since (``versions``: this call's, per
+        parameter source); worked out once per kept call and update call (``fresh``), the
+        dicts compared whole first (hundreds of parameters, the same rows of a few calls)."""
+        ok = fresh.get(id(kept))
+        if ok is None:
+            theirs = kept.versions
+            ok = theirs == versions or not any(
+                s in theirs and theirs[s] != v for s, v in versions.items())
+            fresh[id(kept)] = ok
+        return not ok
 
     def _fingerprint_for(self, args, batch: int):
         """This graph's fingerprint; for a graph Dynamo specialised to a batch of 1, the

@@ -49,8 +49,10 @@ class ServedUpdate:
         """Why the kept rows cannot serve this call ("" when they can): rows kept by different
         graphs, or rows regrouped where the LeanGRPO stage did not prove them apart."""
         g, layouts = self.g, self.layouts
-        if any(k.runtime.g.bw_saved != self.kept_graph.g.bw_saved or
-               k.runtime.g.layouts != layouts for k, _ in self.runs):
+        kept_g = self.kept_graph.g
+        if any(k.runtime.g is not kept_g and (k.runtime.g.bw_saved != kept_g.bw_saved or
+                                              k.runtime.g.layouts != layouts)
+               for k, _ in self.runs):
             return "rows kept by different graphs"
         row_local = bool(layouts.get("row_local"))
         splittable = all(lay is None or lay == "symint" or hasattr(lay, "outer")
