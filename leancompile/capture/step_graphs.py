@@ -197,10 +197,7 @@ class StepGraphs:
         when the step returns its sample argument itself (FlowGRPO's SDE step returns the
         ``prev_sample`` it was given). Dynamo returns such an input outside the graph, so that
         graph has one output fewer; ``()`` when the sample output is not the sample alone."""
-        fp, j = self.sample_fingerprint, self.sample_output
-        if not fp or j is None or j >= len(fp) or fp[j] != "<sample>":
-            return ()
-        return fp[:j] + fp[j + 1:]
+        return without_sample(self.sample_fingerprint, self.sample_output)
 
     def fingerprints_at(self, args) -> tuple[tuple, tuple]:
         """(fingerprint, sample fingerprint) of this graph traced with concrete ``args`` (real
@@ -217,6 +214,15 @@ class StepGraphs:
         if self.sample_output is not None:
             sample, _ = structural_hashes(graph, self.roles, cut=self.sample_output)
         return fingerprint, sample
+
+
+def without_sample(fingerprint: tuple, sample_output: int | None) -> tuple:
+    """A sample fingerprint without its sample output's entry (``passthrough_fingerprint``);
+    ``()`` when that output is not the sample alone."""
+    j = sample_output
+    if not fingerprint or j is None or j >= len(fingerprint) or fingerprint[j] != "<sample>":
+        return ()
+    return fingerprint[:j] + fingerprint[j + 1:]
 
 
 class _FirstRun:

@@ -63,18 +63,14 @@ def time_to_reward(rewards, rollout_times, update_times, threshold: float) -> fl
         raise ValueError(f"time_to_reward: {len(rewards)} rewards, {len(rollout_times)} rollout "
                          f"times and {len(update_times)} update times; pass one of each per "
                          "iteration")
-    clock = 0.0
-    for reward, rollout, update in zip(rewards, rollout_times, update_times):
-        if reward >= threshold:
-            return clock + rollout
-        clock += rollout + update
-    return None
+    clock = _clock(rollout_times, update_times)
+    return next((at for reward, at in zip(rewards, clock) if reward >= threshold), None)
 
 
-def _clock(result) -> list[float]:
+def _clock(rollout_times, update_times) -> list[float]:
     """The clock at which each iteration's reward was scored (the x of the plot)."""
     clock, points = 0.0, []
-    for rollout, update in zip(result.rollout_times, result.update_times):
+    for rollout, update in zip(rollout_times, update_times):
         points.append(clock + rollout)
         clock += rollout + update
     return points
@@ -96,12 +92,8 @@ def run_race(config: RaceConfig = RaceConfig(), *, log=print) -> dict:
     base, vae = build_demo(seed=config.seed, num_inference_steps=config.num_inference_steps,
                            attention_head_dim=config.attention_head_dim)
     base.requires_grad_(True)
-    image_reward = decoded(TargetColorReward(target=TARGET), vae=vae,
-                           to_vae_latents=base.to_vae_latents)
-
-    def reward(latents):
-        return image_reward(latents)
-
+    reward = decoded(TargetColorReward(target=TARGET), vae=vae,
+                     to_vae_latents=base.to_vae_latents)  # (latents, conditions=None)
     loop = LoopConfig(prompts=config.prompts, group_size=config.group_size,
                       sample_batch=config.sample_batch, train_batch=config.train_batch,
                       timestep_fraction=0.75, lr=config.lr, iterations=config.iterations)
@@ -128,13 +120,15 @@ def run_race(config: RaceConfig = RaceConfig(), *, log=print) -> dict:
         for name in (("plain", "lean") if i % 2 == 0 else ("lean", "plain")):
             results[name] = next(runs[name])
         p, q = results["plain"], results["lean"]
-        log(f"{i + 1:>9}  {p.rewards[-1]:>12.4f} {_clock(p)[-1]:>8.2f}  "
-            f"{q.rewards[-1]:>11.4f} {_clock(q)[-1]:>8.2f}")
+        at_p, at_q = (_clock(r.rollout_times, r.update_times)[-1] for r in (p, q))
+        log(f"{i + 1:>9}  {p.rewards[-1]:>12.4f} {at_p:>8.2f}  {q.rewards[-1]:>11.4f} "
+            f"{at_q:>8.2f}")
     out = {"config": dataclasses.asdict(config), "loops": {}}
     for name, result in results.items():
         out["loops"][name] = {
             "rewards": list(result.rewards), "rollout_times": list(result.rollout_times),
-            "update_times": list(result.update_times), "clock": _clock(result),
+            "update_times": list(result.update_times),
+            "clock": _clock(result.rollout_times, result.update_times),
             "time_to_reward": time_to_reward(result.rewards, result.rollout_times,
                                              result.update_times, config.threshold),
             "median_iteration": statistics.median(

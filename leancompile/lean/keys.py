@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..capture.step_graphs import without_sample
 from ..runtime.reuse import row_hashes, values_digest, whole_hash
 from .graphs import readable
 from .state import KeptCall
@@ -157,9 +158,7 @@ class Keys:
             if runtime.g.batch_symbol is None:
                 continue
             full, sample = runtime.fingerprints_at_one(kept)
-            j = runtime.g.sample_output
-            passthrough = sample[:j] + sample[j + 1:] if sample and sample[j] == "<sample>" \
-                else ()
+            passthrough = without_sample(sample, runtime.g.sample_output)
             if g.fingerprint in (full, sample, passthrough or None):
                 self.rows_like = {r.source: r.batch_rows for r in runtime.g.roles
                                   if r.batch_rows}
