@@ -763,34 +763,99 @@ class ConvPolicy(nn.Module):
         return self.c2(h * t.view(-1, 1, 1, 1).float())
 
 
-def _conv_loop(model, step, plan):
+def _conv_loop(model, step, plan, autocast=False):
     g = torch.Generator().manual_seed(1)
     fn = step or model
+    cast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast \
+        else contextlib.nullcontext
     xs = [torch.randn(4, 3, 6, 6, generator=g)]
-    with _phase(step, "rollout", train=3), torch.no_grad():
+    with _phase(step, "rollout", train=3), torch.no_grad(), cast():
         for k in range(3):
-            xs.append(xs[-1] + 0.1 * fn(xs[-1], torch.full((4,), k)))
+            xs.append(xs[-1] + 0.1 * fn(xs[-1], torch.full((4,), k)).float())
     model.zero_grad()
-    with _phase(step, "update"):
+    with _phase(step, "update"), cast():
         for rows in plan:
             for k in range(3):
                 r = torch.tensor(rows)
-                out = fn(xs[k][r], torch.full((len(rows),), k))
+                out = fn(xs[k][r], torch.full((len(rows),), k)).float()
                 (out.square().sum((1, 2, 3)) * torch.arange(1.0, len(rows) + 1)).sum().backward()
     return _grads(model)
 
 
-@pytest.mark.parametrize("schedule", ["recompute", "retain"])
-def test_channels_last_convolutions_under_inductor(schedule):
+@pytest.mark.parametrize("schedule,autocast", [("recompute", False), ("retain", False),
+                                               ("retain", True)])
+def test_channels_last_convolutions_under_inductor(schedule, autocast):
     """Inductor's forward returned a convolution's saved weight contiguous where the backward,
     compiled from the traced graph, asserts channels-last: "expected size 8==8, stride 1==9"
     in every schedule, recompute included. Saved tensors are now laid out as traced before
-    the backward; regrouped rows and a batch-1 call give eager autograd's gradients."""
+    the backward; regrouped rows and a batch-1 call give eager autograd's gradients, under
+    bf16 autocast too."""
     plan = ([2, 0, 3], [1])
     reference = ConvPolicy()
-    ref = _conv_loop(reference, None, plan)
+    ref = _conv_loop(reference, None, plan, autocast)
     model = ConvPolicy()
     step = leancompile.lean_compile(model, backend="inductor", schedule=schedule)
-    got = _conv_loop(model, step, plan)
+    got = _conv_loop(model, step, plan, autocast)
     assert step.stats.reused_calls == (6 if schedule == "retain" else 0), step.stats.summary()
     assert _rel(got, ref) <= 1e-5, _rel(got, ref)
+
+
+def _passthrough_loop(model, fn, step, *, autocast=False, hook_between=False):
+    """``_flow_grpo_loop``'s rollout and mixed update batches with what users add: bf16
+    autocast around both phases, a forward hook registered between them, the served log-prob
+    edited in place, its loss backpropagated twice (``retain_graph=True`` first)."""
+    g = torch.Generator().manual_seed(3)
+    cast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast \
+        else contextlib.nullcontext
+    xs, cond, lps = [], torch.randn(8, C, generator=g), []
+    with _phase(step, "rollout", train=3, trajectory_steps=T), torch.no_grad(), cast():
+        for b in range(2):
+            traj, lp = [torch.randn(4, D, generator=g)], []
+            for k in range(T):
+                sample, log_prob, _ = fn(traj[-1], torch.full((4,), k), cond[4 * b:4 * b + 4],
+                                         noise=torch.randn(4, D, generator=g))
+                traj.append(sample.float())
+                lp.append(log_prob.float())
+            xs.append(torch.stack(traj, 1))
+            lps.append(torch.stack(lp, 1))
+    xs, lps = torch.cat(xs), torch.cat(lps)
+    handle = model.out.register_forward_hook(lambda m, a, o: o * 1.5) if hook_between else None
+    adv = torch.linspace(-1, 1, 8)
+    with _phase(step, "update"), cast():
+        for rows, k in MIXED:
+            rows = torch.tensor(rows)
+            _, log_prob, _ = fn(xs[rows, k], torch.full((4,), k), cond[rows],
+                                prev_sample=xs[rows, k + 1])
+            log_prob = log_prob.float()
+            log_prob.mul_(1.0)
+            loss = -(adv[rows] * torch.exp(log_prob - lps[rows, k])).mean()
+            loss.backward(retain_graph=True)
+            loss.backward()
+    if handle is not None:
+        handle.remove()
+    return _grads(model)
+
+
+def test_a_passed_through_sample_under_bf16_a_hook_and_two_backwards():
+    """The pass-through step (DanceGRPO's spelling) as a user's loop runs it under Inductor:
+    with bf16 autocast Retain serves every call and equals recompute bitwise; with a hook
+    registered between the phases nothing is reused (another graph, counted) and the
+    gradients are eager autograd's, the hook included."""
+    grads = {}
+    for schedule in ("recompute", "retain"):
+        model = Policy(seed=1)
+        step = leancompile.lean_compile(_flow_grpo_step(model), backend="inductor",
+                                        schedule=schedule, sample_output=0,
+                                        sample_arg="prev_sample")
+        grads[schedule] = _passthrough_loop(model, step, step, autocast=True)
+    assert step.stats.reused_calls == len(MIXED), step.stats.summary()
+    assert torch.equal(grads["retain"], grads["recompute"])
+    reference = Policy(seed=1)
+    want = _passthrough_loop(reference, _flow_grpo_step(reference), None, hook_between=True)
+    model = Policy(seed=1)
+    step = leancompile.lean_compile(_flow_grpo_step(model), backend="inductor", schedule="retain",
+                                    sample_output=0, sample_arg="prev_sample")
+    got = _passthrough_loop(model, step, step, hook_between=True)
+    assert step.stats.reused_calls == 0 and step.stats.forwards_run == len(MIXED)
+    assert "another graph" in next(iter(step.stats.recomputed)), step.stats.summary()
+    assert _rel(got, want) <= 1e-5, _rel(got, want)
