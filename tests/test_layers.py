@@ -2,7 +2,7 @@
 included, read from the AST):
 
 - imports run one way: a module imports only from its own layer or a lower one (``LAYERS``,
-  lowest first; the README's "The layers" lists the same);
+  lowest first; docs/architecture.md's "The layers" lists the same, the README in short);
 - no import cycle between modules (a cycle hidden inside a function is still one);
 - no underscore name imported from another module (shared helpers get public names).
 
