@@ -26,13 +26,27 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: order.get(item.path.name, len(order)))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Each test compiles from scratch: no Dynamo cache entries or recompile counts carried
-    over from another test."""
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo_per_module():
+    """Each test module starts and ends with Dynamo reset."""
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(request):
+    """Each test compiles from scratch: no Dynamo cache entries or recompile counts carried
+    over from another test. A module that sets ``DYNAMO_RESET = "module"`` is reset once
+    (above): its tests call again what its module fixtures compiled, where a reset would make
+    them capture the same graphs again (its compiles must not share a code object: each
+    ``lean_compile`` step has its own)."""
+    per_test = getattr(request.module, "DYNAMO_RESET", "test") == "test"
+    if per_test:
+        torch._dynamo.reset()
+    yield
+    if per_test:
+        torch._dynamo.reset()
 
 
 @pytest.fixture

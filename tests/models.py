@@ -74,17 +74,25 @@ def assert_same_training_step(model, eager_fn, compiled_fn, args, *, atol=1e-5, 
                                    msg=lambda m, name=name: f"gradient of {name}: {m}")
 
 
-def tiny_flux_policy(steps: int = 4, seed: int = 0):
-    """A random-init FLUX (1+1 layers) behind ``FluxPolicy``: 8x8 latents, 16 packed tokens."""
+def tiny_flux_policy(steps: int = 4, seed: int = 0, *, double_blocks: int = 0,
+                     single_blocks: int = 1):
+    """A random-init FLUX behind ``FluxPolicy``: 8x8 latents, 16 packed tokens, one
+    single-stream block (text and image tokens through one joint attention, as in FLUX's
+    deeper 38 of 57 blocks). Its dual-stream blocks (the other 19: text and image with their own
+    projections) run where ``double_blocks=1`` is named (test_grpo_trainer.py's shared trainer),
+    in the Ulysses and DanceGRPO loop tests and in the demos. One block, not 1+1:
+    a capture of the policy step costs 0.67 of the 1+1 model's (12.2 s against 18.1 s of CPU
+    for a trainer's first compute_gradients, one process, 2026-12-07), and the tests capture
+    it dozens of times."""
     from diffusers import FluxTransformer2DModel
 
     from leancompile.integrations.diffusers import FluxPolicy
 
     torch.manual_seed(seed)
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-        axes_dims_rope=[4, 4, 8], guidance_embeds=True).eval()
+        patch_size=1, in_channels=16, num_layers=double_blocks, num_single_layers=single_blocks,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+        pooled_projection_dim=32, axes_dims_rope=[4, 4, 8], guidance_embeds=True).eval()
     return FluxPolicy(transformer, num_inference_steps=steps, height=8, width=8,
                       vae_scale_factor=1, guidance_scale=3.5)
 

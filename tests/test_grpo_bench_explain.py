@@ -14,7 +14,8 @@ from models import ToyFlowPolicy
 
 
 def test_bench_grpo_json_has_ratios_and_agreement(capsys):
-    assert main(["--model", "flux", "--layers", "1", "--hidden", "64", "--latent", "8",
+    assert main(["--model", "flux", "--layers", "0", "--single-layers", "1", "--hidden", "64",
+                 "--latent", "8",
                  "--steps", "3", "--repeats", "1", "--json", "--malloc", "default"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["config"]["malloc"] == "default"
@@ -86,7 +87,8 @@ def test_bench_grpo_under_torchrun_fsdp_counts_gradient_reductions():
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
          "leancompile.cli", "bench", "grpo", "--parallel", "fsdp", "--prompts", "2",
-         "--schedules", "recompute,reweight", "--layers", "1", "--hidden", "64", "--latent",
+         "--schedules", "recompute,reweight", "--layers", "0", "--single-layers", "1",
+         "--hidden", "64", "--latent",
          "8", "--steps", "2", "--repeats", "1", "--json", "--malloc", "default"],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -59,7 +59,11 @@ class BenchConfig:
     """``flux`` or ``wan``."""
     schedules: tuple[str, ...] = SCHEDULES
     layers: int = 2
-    """FLUX: double-stream and single-stream blocks each; Wan: blocks."""
+    """FLUX: double-stream blocks (and single-stream ones unless ``single_layers``); Wan:
+    blocks."""
+    single_layers: int | None = None
+    """FLUX only: single-stream blocks (``None``: ``layers``; FLUX.1 has 19 double-stream and
+    38 single-stream blocks)."""
     hidden: int = 256
     """Transformer width (heads x head dim, 64 per head)."""
     latent: int = 32
@@ -146,7 +150,8 @@ def build_policy(config: BenchConfig):
 
         transformer = FluxTransformer2DModel(
             patch_size=1, in_channels=64, num_layers=config.layers,
-            num_single_layers=config.layers, attention_head_dim=64, num_attention_heads=heads,
+            num_single_layers=config.layers if config.single_layers is None
+            else config.single_layers, attention_head_dim=64, num_attention_heads=heads,
             joint_attention_dim=config.hidden, pooled_projection_dim=config.hidden,
             axes_dims_rope=[16, 24, 24], guidance_embeds=True).eval()
         transformer.to(config.device, DTYPES[config.dtype])
@@ -381,7 +386,11 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="flux", choices=("flux", "wan"))
     p.add_argument("--schedules", default="recompute,retain,reweight")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=2,
+                   help="FLUX: double-stream blocks (and single-stream unless --single-layers); "
+                        "Wan: blocks")
+    p.add_argument("--single-layers", type=int, default=None,
+                   help="FLUX: single-stream blocks (default: --layers)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--latent", type=int, default=32)
     p.add_argument("--prompts", type=int, default=1,
@@ -426,7 +435,8 @@ def main(argv=None) -> int:
         compilers = (ns.compiler or "aot_eager",)
     try:
         config = BenchConfig(model=ns.model, schedules=tuple(ns.schedules.split(",")),
-                             steps=ns.steps, layers=ns.layers, hidden=ns.hidden,
+                             steps=ns.steps, layers=ns.layers,
+                             single_layers=ns.single_layers, hidden=ns.hidden,
                              latent=ns.latent, prompts=ns.prompts, group_size=ns.group_size,
                              fraction=ns.fraction, repeats=ns.repeats, parallel=ns.parallel,
                              grad_sync=ns.grad_sync, compiler=compilers[0],

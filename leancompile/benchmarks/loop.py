@@ -31,13 +31,15 @@ __all__ = ["run_loop_bench", "main"]
 
 
 def run_loop_bench(*, rounds: int = 3, steps: int = 6, layers: int = 2, hidden: int = 256,
-                   latent: int = 32, compiler: str = "aot_eager", log=print) -> dict:
+                   latent: int = 32, compiler: str = "aot_eager", log=print,
+                   single_layers: int | None = None) -> dict:
     import leancompile
 
     from ..demos.user_loops import LoopConfig, flow_grpo_loop
     from .grpo import BenchConfig, build_policy
 
-    policy = build_policy(BenchConfig(steps=steps, layers=layers, hidden=hidden, latent=latent))
+    policy = build_policy(BenchConfig(steps=steps, layers=layers, single_layers=single_layers,
+                                      hidden=hidden, latent=latent))
     policy.requires_grad_(True)
     initial = copy.deepcopy(policy.state_dict())
     aligned = LoopConfig(prompts=2, group_size=2, sample_batch=4, train_batch=4,

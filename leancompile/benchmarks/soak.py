@@ -64,7 +64,8 @@ def _summary(rows: list[dict], warmup: int) -> dict:
 def _policy():
     from .grpo import BenchConfig, build_policy
 
-    return build_policy(BenchConfig(layers=1, hidden=64, latent=8, steps=3))
+    # one single-stream FLUX block: what is kept and freed per step is the point, not the depth
+    return build_policy(BenchConfig(layers=0, single_layers=1, hidden=64, latent=8, steps=3))
 
 
 def _reward(latents, conditions):
