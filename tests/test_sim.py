@@ -206,6 +206,59 @@ def test_bench_overlap_simulate_cli_json(capsys):
         assert {"total_s", "compute_s", "exposed_comm_s"} <= set(entry)
 
 
+def test_a_2d_mesh_rewrites_every_tp_site_and_leaves_the_weight_gathers_with_reasons():
+    """SimpleFSDP x TP+SP: each projection of a Llama block reads an FSDP weight gather (dp)
+    and a TP activation gather or feeds a TP reduce-scatter (tp); the pass takes the TP side of
+    every projection (the output and down projections' reduce-scatters over their weight
+    gathers) and leaves each weight gather with its reason; the backward rewrites all."""
+    from leancompile.sim.fullscale import fake_mesh, llama_2d_block
+    from leancompile.sim.graph_facts import group_name
+
+    with fake_mesh(2, 2) as (dp, tp):
+        graphs = llama_2d_block(2, 2, (2, 64, 256), dtype=torch.float32, backward=True,
+                                dp_group=dp, tp_group=tp)
+        axes = {dp.group_name: "dp", tp.group_name: "tp"}
+        done = {}
+        for phase, gm in graphs.items():
+            nodes = {n.name: n for n in gm.graph.nodes}
+            _, record = rewrite(gm, phase, overlap="flash")
+            result, = [p for p in record.passes if p.name == "flash_overlap"]
+            done[phase] = (
+                sorted((axes[group_name(nodes[x.node])], x.kind) for x in result.rewritten),
+                sorted((axes[group_name(nodes[x.node])], x.reason) for x in result.skipped))
+    rewritten, skipped = done["forward"]
+    assert rewritten == [("tp", "all_gather+mm")] * 2 + [("tp", "mm+reduce_scatter")] * 2
+    assert [axis for axis, _ in skipped] == ["dp"] * 4
+    assert sum("also reads the all-gather" in r for _, r in skipped) == 2  # QKV, gate/up
+    assert sum("is reduce-scattered at" in r and "over another group (2 ranks)" in r
+               for _, r in skipped) == 2  # output and down projections
+    rewritten, skipped = done["backward"]
+    assert skipped == [] and ("tp", "mm+reduce_scatter") in rewritten and \
+        ("dp", "mm+reduce_scatter") in rewritten
+
+
+def test_bench_overlap_simulates_a_llama_block_on_a_2d_mesh(capsys):
+    assert cli(["bench", "overlap", "--simulate", "--case", "llama-2d", "--device", "h200",
+                "--dp", "2", "--tp", "2", "--shape", "2,1024,1024", "--slices", "2",
+                "--backward", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["dp"] == 2 and report["config"]["case"] == "llama-2d"
+    seq, flash = report["schemes"]["sequential"], report["schemes"]["flash"]
+    assert seq["exposed_by_axis"]["tp"] > 0 and seq["rewritten"] == 0
+    assert flash["exposed_by_axis"]["tp"] < 0.5 * seq["exposed_by_axis"]["tp"]
+    assert {(s["phase"], s["axis"]) for s in flash["sites"] if s["rewritten"]} >= {
+        ("forward", "tp"), ("backward", "tp"), ("backward", "dp")}
+    assert all(s["reason"] for s in flash["sites"] if not s["rewritten"])
+    assert cli(["bench", "overlap", "--simulate", "--case", "llama-2d", "--dp", "2", "--tp",
+                "2", "--shape", "2,1024,1024", "--slices", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "a 2 x 2 (dp x tp) mesh" in out and "exposed per axis" in out and "left: " in out
+    with pytest.raises(SystemExit):  # --dp belongs to the 2-D case
+        cli(["bench", "overlap", "--simulate", "--dp", "2"])
+    with pytest.raises(ValueError, match="dp="):
+        simulate_schemes(case="llama-2d", tp=2, shape=(2, 256, 256))
+
+
 # ----------------------------------------------------------------------------------------------
 # Strict mode
 

@@ -172,14 +172,20 @@ def main(argv=None) -> int:
                      help="simulate the schemes instead of running them on gloo")
     sim.add_argument("--device", default="h200", help="a built-in profile or a JSON file")
     sim.add_argument("--tp", type=int, default=4)
+    sim.add_argument("--dp", type=int, default=None,
+                     help="--case llama-2d: the FSDP axis of the dp x tp mesh")
     sim.add_argument("--shape", default="32,4096,4096", help="batch,sequence,model_dim")
     sim.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     sim.add_argument("--backward", action="store_true", help="forward and backward")
     sim.add_argument("--slices", default="2,4,8", help="chunks of the slicing baseline")
     sim.add_argument("--case", default="mlp",
-                     choices=("mlp", "llama-tp", "fsdp-mlp", "attention", "ulysses"),
+                     choices=("mlp", "llama-tp", "llama-2d", "fsdp-mlp", "attention",
+                              "ulysses"),
                      help="mlp: the FlashOverlap paper's TP+SP MLP; llama-tp: a Llama block "
-                          "under TP+SP; fsdp-mlp: an MLP with all-gathered weights (--tp is "
+                          "under TP+SP; llama-2d: the same block with SimpleFSDP over --dp "
+                          "(each weight gathered where it is read; --shape one dp rank's "
+                          "batch), exposed communication per mesh axis and each site's "
+                          "choice; fsdp-mlp: an MLP with all-gathered weights (--tp is "
                           "then the data-parallel world, --shape one rank's batch); "
                           "attention: a TP+SP self-attention layer, query-split attention "
                           "against Flash-RS on the output projection alone (flash_projection; "
@@ -191,6 +197,8 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
     if ns.validate:
         return _validated(ns)
+    if (ns.case == "llama-2d") != (ns.dp is not None):
+        p.error("--dp goes with --case llama-2d (the FSDP axis of its mesh), and it needs one")
     if ns.simulate:
         if ns.case == "ulysses":
             p.error("--case ulysses is measured on gloo only; the simulator does not model "
@@ -258,15 +266,18 @@ def _simulated(ns) -> int:
               file=sys.stderr)
         return 2
     report = simulate_schemes(device=ns.device, tp=ns.tp, shape=shape, dtype=ns.dtype,
-                              backward=ns.backward, slices=slices, case=ns.case)
+                              backward=ns.backward, slices=slices, case=ns.case, dp=ns.dp)
     if ns.json:
         print(json.dumps(report, indent=2))
         return 0
     cfg = report["config"]
     what = {"mlp": "TP+SP MLP block (hidden 4d)", "llama-tp": "Llama block under TP+SP",
             "fsdp-mlp": "FSDP-style MLP block (weights all-gathered)",
-            "attention": "TP+SP self-attention layer (32 heads, no mask)"}[cfg["case"]]
-    print(f"{what}, simulated on {cfg['device']}: {cfg['tp']} ranks, (b, s, d) = "
+            "attention": "TP+SP self-attention layer (32 heads, no mask)",
+            "llama-2d": "Llama block, SimpleFSDP x TP+SP"}[cfg["case"]]
+    ranks = f"{cfg['tp']} ranks" if cfg["dp"] is None else \
+        f"a {cfg['dp']} x {cfg['tp']} (dp x tp) mesh"
+    print(f"{what}, simulated on {cfg['device']}: {ranks}, (b, s, d) = "
           f"{tuple(cfg['shape'])}, {cfg['dtype']}, {' + '.join(cfg['phases'])}")
     print(f"{'scheme':12s} {'total ms':>9s} {'compute':>9s} {'comm':>9s} {'exposed':>9s} "
           f"{'ratio':>6s}")
@@ -277,6 +288,16 @@ def _simulated(ns) -> int:
         print(f"{name:12s} {e['total_s'] * 1e3:9.3f} {e['compute_s'] * 1e3:9.3f} "
               f"{e['comm_s'] * 1e3:9.3f} {e['exposed_comm_s'] * 1e3:9.3f} "
               f"{e['ratio_to_sequential']:6.3f}")
+    if cfg["dp"] is not None:
+        print("exposed per axis (ms):  " + "   ".join(
+            f"{name} dp {e['exposed_by_axis']['dp'] * 1e3:.3f} tp "
+            f"{e['exposed_by_axis']['tp'] * 1e3:.3f}"
+            for name, e in report["schemes"].items() if name in ("sequential", "flash")))
+        print("flash, per site:")
+        for site in report["schemes"]["flash"]["sites"]:
+            said = "rewritten" if site["rewritten"] else f"left: {site['reason']}"
+            print(f"  {site['phase']:8s} {site['axis'] or '?':3s} {site['site']:18s} "
+                  f"{site['node']}: {said}")
     seq = report["schemes"]["sequential"]["exposed_comm_s"]
     flash = report["schemes"]["flash"]["exposed_comm_s"]
     print(f"flash leaves {flash / seq:.2%} of sequential's exposed communication"

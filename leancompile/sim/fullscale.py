@@ -8,7 +8,9 @@ backward graphs AOTAutograd produces (nothing is compiled further; with meta ten
 computed either), and ``rewrite(gm, phase, **options)`` runs leancompile's pipeline on a copy.
 ``tp_mlp(...)`` is the tensor + sequence parallel MLP block of the FlashOverlap paper: all-gather
 of the sequence-sharded input, column-parallel matmul, GELU, row-parallel matmul,
-reduce-scatter back to sequence shards.
+reduce-scatter back to sequence shards. ``fake_mesh(dp, tp)`` gives rank 0's two groups of a
+``dp x tp`` mesh, on which ``llama_2d_block`` traces a Llama block with FSDP over ``dp`` and
+TP+SP over ``tp``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-__all__ = ["fake_group", "trace_graphs", "rewrite", "tp_mlp"]
+__all__ = ["fake_group", "fake_mesh", "trace_graphs", "rewrite", "tp_mlp", "fsdp_mlp",
+           "llama_tp_block", "llama_2d_block", "tp_attention"]
 
 
 @contextlib.contextmanager
@@ -37,6 +40,18 @@ def fake_group(world_size: int):
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_mesh(dp: int, tp: int):
+    """``(dp_group, tp_group)``: rank 0's groups of a fake ``dp x tp`` mesh (rank ``i * tp + j``
+    at data-parallel index ``i``, tensor-parallel index ``j``, as ``init_device_mesh`` lays out
+    ``("dp", "tp")``): the tensor-parallel group is ranks ``0 .. tp-1``, the data-parallel one
+    ranks ``0, tp, 2 tp, ...``."""
+    if dp < 2 or tp < 2:
+        raise ValueError(f"dp={dp} and tp={tp}: a 2-D mesh needs at least 2 ranks on each axis")
+    with fake_group(dp * tp):
+        yield (dist.new_group(list(range(0, dp * tp, tp))), dist.new_group(list(range(tp))))
 
 
 def trace_graphs(fn, *args, backward: bool = True, loss=None,
@@ -167,6 +182,53 @@ def llama_tp_block(tp: int, shape: tuple[int, int, int], *, heads: int = 32,
         gate, up = F.linear(h, wgu).chunk(2, dim=-1)
         return x + funcol.reduce_scatter_tensor(F.linear(F.silu(gate) * up, wd), "sum", 0,
                                                 group)
+
+    return trace_graphs(block, x, *weights, backward=backward)
+
+
+def llama_2d_block(dp: int, tp: int, shape: tuple[int, int, int], *, heads: int = 32,
+                   dtype=torch.bfloat16, backward: bool = False, dp_group=None,
+                   tp_group=None) -> dict[str, fx.GraphModule]:
+    """``llama_tp_block`` on a ``dp x tp`` mesh (``fake_mesh``) as SimpleFSDP + TP lays it out:
+    each weight's tensor-parallel part is further sharded on dim 0 over ``dp`` and all-gathered
+    inside the graph right before its projection (in the backward: its gradient
+    reduce-scattered over ``dp``), while the sequence-sharded activations are gathered and the
+    projections' outputs reduce-scattered over ``tp``. So the QKV, gate/up, output and down
+    projections each read two collectives: an FSDP weight gather and a TP activation gather or
+    reduce-scatter. ``shape`` = one data-parallel rank's (batch, sequence, model dim)."""
+    import torch.distributed._functional_collectives as funcol
+    import torch.nn.functional as F
+
+    b, s, d = shape
+    hidden = 256 * ((8 * d // 3 + 255) // 256)
+    if heads % tp or hidden % tp or (b * s) % tp:
+        raise ValueError(f"heads {heads}, hidden {hidden} and tokens {b * s} must divide by "
+                         f"tp={tp}")
+    hd, local_heads = d // heads, heads // tp
+    sizes = [(3 * local_heads * hd, d), (d, local_heads * hd), (2 * hidden // tp, d),
+             (d, hidden // tp)]
+    if any(rows % dp for rows, _ in sizes):
+        raise ValueError(f"the weights' tensor-parallel parts {sizes} must divide by dp={dp} "
+                         "on dim 0")
+
+    x = torch.empty(b * s // tp, d, device="meta", dtype=dtype, requires_grad=backward)
+    weights = [torch.empty(rows // dp, cols, device="meta", dtype=dtype, requires_grad=backward)
+               for rows, cols in sizes]
+
+    def full(w):  # SimpleFSDP: the weight gathered where it is read
+        return funcol.all_gather_tensor_autograd(w, 0, dp_group)
+
+    def block(x, wqkv, wo, wgu, wd):
+        h = funcol.all_gather_tensor(F.rms_norm(x, (d,)), 0, tp_group)
+        q, k, v = F.linear(h, full(wqkv)).view(b, s, 3, local_heads, hd).unbind(2)
+        att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)
+        att = att.transpose(1, 2).reshape(b * s, local_heads * hd)
+        x = x + funcol.reduce_scatter_tensor(F.linear(att, full(wo)), "sum", 0, tp_group)
+        h = funcol.all_gather_tensor(F.rms_norm(x, (d,)), 0, tp_group)
+        gate, up = F.linear(h, full(wgu)).chunk(2, dim=-1)
+        return x + funcol.reduce_scatter_tensor(F.linear(F.silu(gate) * up, full(wd)), "sum",
+                                                0, tp_group)
 
     return trace_graphs(block, x, *weights, backward=backward)
 

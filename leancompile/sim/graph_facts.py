@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-__all__ = ["FREE", "MATMULS", "concrete", "graphs_of", "group_size", "op_name", "tensor_bytes",
-           "tensors_of"]
+__all__ = ["FREE", "MATMULS", "concrete", "graphs_of", "group_name", "group_size", "op_name",
+           "tensor_bytes", "tensors_of"]
 
 FREE = {
     "view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "slice", "select",
@@ -74,6 +74,18 @@ def group_size(node: fx.Node) -> int:
     if name == "all_to_all_single" and len(node.args) >= 4:
         return max(len(node.args[1] or node.args[2] or [1]), 1)
     return 0
+
+
+def group_name(node: fx.Node) -> str | None:
+    """The process group a collective's node names (None when it names none)."""
+    name = op_name(node)
+    if name.startswith("all_gather_into_tensor") and len(node.args) >= 3:
+        return str(node.args[2])
+    if name.startswith("reduce_scatter_tensor") and len(node.args) >= 4:
+        return str(node.args[3])
+    if name.startswith("all_reduce") and len(node.args) >= 3:
+        return str(node.args[2])
+    return None
 
 
 def graphs_of(graphs_or_report) -> list[fx.Graph]:

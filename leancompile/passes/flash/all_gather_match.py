@@ -414,18 +414,43 @@ def _matmul_dim(tags: tuple[frozenset, ...], gather_dim: int, operand: str):
     return "K" if holding[0] == 0 else "N"
 
 
-def claim_matmuls(matches: list[AllGatherMatch], result: PassResult) -> list[AllGatherMatch]:
+def claim_matmuls(matches: list[AllGatherMatch], result: PassResult,
+                  scattered: dict[fx.Node, tuple[str, str, int]] | None = None
+                  ) -> list[AllGatherMatch]:
     """One rewrite per matmul. When two all-gathers feed one matmul (both operands gathered:
     FSDP-style weights with a sequence-parallel input), the input (activation) gather is
     rewritten and the weight gather is skipped with the reason (between two gathers of one
-    kind, the earlier one wins). The choice follows from the program alone, never from sizes,
-    so every rank makes the same one."""
+    kind, the earlier one wins). ``scattered``: the matmuls whose output a reduce-scatter site
+    would rewrite (matmul -> (its reduce-scatter's name, group name, group size)); a weight
+    gathered over another group than that reduce-scatter's (SimpleFSDP's weight gather beside
+    the TP output projection's reduce-scatter on a 2-D mesh) leaves the matmul to the
+    reduce-scatter, whose activations are on the critical path, while a weight gather reads
+    only parameters and can be issued ahead. The choice follows from the program alone, never
+    from sizes, so every rank makes the same one::
+
+        w = wait(all_gather(w_shard, dp))        (left, with the reason)
+        y = mm(a, w)                      ->     y = mm(a, w) in tp's decomposed schedule
+        out = wait(reduce_scatter(y, tp))        (the reduce-scatter's rewrite)
+    """
+    scattered = scattered or {}
     order = {m.all_gather: i for i, m in enumerate(matches)}
     ranked = sorted(matches, key=lambda m: (m.kind != "ag_input", order[m.all_gather]))
     owner: dict[fx.Node, AllGatherMatch] = {}
     kept = []
     for match in ranked:
         mms = {use.node for use in match.sliced}
+        if match.kind == "ag_weight":
+            beside = sorted((mm.name, scattered[mm]) for mm in mms if mm in scattered
+                            and scattered[mm][1] != match.group_name)
+            if beside:
+                mm, (rs, _, size) = beside[0]
+                result.skip(match.all_gather, AG_SITE,
+                            f"{mm}'s output is reduce-scattered at {rs} over another group "
+                            f"({size} ranks), which is rewritten instead: its activations are "
+                            "on the critical path, while this weight gather reads parameters "
+                            "only and can be issued ahead (one matmul, one decomposed "
+                            "collective)")
+                continue
         taken = sorted(((mm, owner[mm]) for mm in mms if mm in owner), key=lambda t: t[0].name)
         if taken:
             mm, other = taken[0]
