@@ -255,6 +255,9 @@ def test_bench_overlap_simulates_a_llama_block_on_a_2d_mesh(capsys):
     assert "a 2 x 2 (dp x tp) mesh" in out and "exposed per axis" in out and "left: " in out
     with pytest.raises(SystemExit):  # --dp belongs to the 2-D case
         cli(["bench", "overlap", "--simulate", "--dp", "2"])
+    assert cli(["bench", "overlap", "--simulate", "--case", "llama-2d", "--dp", "3", "--tp",
+                "2", "--shape", "2,1024,1024"]) == 2
+    assert "must divide by dp=3" in capsys.readouterr().err
     with pytest.raises(ValueError, match="dp="):
         simulate_schemes(case="llama-2d", tp=2, shape=(2, 256, 256))
 

@@ -265,8 +265,12 @@ def _simulated(ns) -> int:
         print(f"--shape {ns.shape!r}: three integers, batch,sequence,model_dim",
               file=sys.stderr)
         return 2
-    report = simulate_schemes(device=ns.device, tp=ns.tp, shape=shape, dtype=ns.dtype,
-                              backward=ns.backward, slices=slices, case=ns.case, dp=ns.dp)
+    try:
+        report = simulate_schemes(device=ns.device, tp=ns.tp, shape=shape, dtype=ns.dtype,
+                                  backward=ns.backward, slices=slices, case=ns.case, dp=ns.dp)
+    except ValueError as err:  # sizes the case cannot split (the values and the rule)
+        print(f"leancompile bench overlap: {err}", file=sys.stderr)
+        return 2
     if ns.json:
         print(json.dumps(report, indent=2))
         return 0
