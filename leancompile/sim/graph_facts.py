@@ -66,11 +66,20 @@ def tensor_bytes(t: torch.Tensor) -> int:
     return n * t.element_size()
 
 
+def _size_index(name: str) -> int | None:
+    """Where an all-gather's or reduce-scatter's ``group_size`` argument is (its
+    ``group_name`` follows), coalesced ones too."""
+    if name.startswith("all_gather_into_tensor"):
+        return 1
+    return 2 if name.startswith("reduce_scatter_tensor") else None
+
+
 def group_size(node: fx.Node) -> int:
     """The number of ranks of a collective as its node says it (0 when it does not)."""
     name = op_name(node)
-    if name.startswith(("all_gather_into_tensor", "reduce_scatter_tensor")):  # (coalesced too)
-        return int(node.args[1] if name.startswith("all_gather") else node.args[2])
+    index = _size_index(name)
+    if index is not None:
+        return int(node.args[index])
     if name == "all_to_all_single" and len(node.args) >= 4:
         return max(len(node.args[1] or node.args[2] or [1]), 1)
     return 0
@@ -79,13 +88,9 @@ def group_size(node: fx.Node) -> int:
 def group_name(node: fx.Node) -> str | None:
     """The process group a collective's node names (None when it names none)."""
     name = op_name(node)
-    if name.startswith("all_gather_into_tensor") and len(node.args) >= 3:
-        return str(node.args[2])
-    if name.startswith("reduce_scatter_tensor") and len(node.args) >= 4:
-        return str(node.args[3])
-    if name.startswith("all_reduce") and len(node.args) >= 3:
-        return str(node.args[2])
-    return None
+    index = 1 if name.startswith("all_reduce") else _size_index(name)  # (all_reduce: no size)
+    return str(node.args[index + 1]) if index is not None and len(node.args) > index + 1 \
+        else None
 
 
 def graphs_of(graphs_or_report) -> list[fx.Graph]:

@@ -155,15 +155,19 @@ def _rewrite_graph(gm: fx.GraphModule, options, result: PassResult, failed: dict
     matches = _per_site(find_all_gather_matches, graph, result, site_options,
                         lambda m: m.all_gather, AG_SITE, allow_guards=allow_guards,
                         on_error=on_err)
-    # The reduce-scatter sites as the graph stands (found, not rewritten; their skips are
-    # reported when they are matched again below): a matmul one of them would rewrite is left
-    # to it by a weight gather over another group (claim_matmuls).
+    # With a weight gather among the matches: the reduce-scatter sites as the graph stands
+    # (found, not rewritten; their skips are reported when they are matched again below, and
+    # a site that failed once is not one); a matmul one of them would rewrite is left to it by
+    # a weight gather over another group (claim_matmuls).
     scattered = {}
-    for rs in _per_site(find_reduce_scatter_matches, graph, PassResult(name=result.name),
-                        site_options, lambda m: m.reduce_scatter, RS_SITE,
-                        allow_guards=allow_guards, on_error="skip"):
-        for mm in {rs.matmul, *(term for term, _ in rs.terms)}:
-            scattered[mm] = (rs.reduce_scatter.name, rs.group_name, rs.group_size)
+    if any(m.kind == "ag_weight" for m in matches):
+        for rs in _per_site(find_reduce_scatter_matches, graph, PassResult(name=result.name),
+                            site_options, lambda m: m.reduce_scatter, RS_SITE,
+                            allow_guards=allow_guards, on_error="skip"):
+            if rs.reduce_scatter.name in failed:
+                continue
+            for mm in {rs.matmul, *(term for term, _ in rs.terms)}:
+                scattered[mm] = (rs.reduce_scatter.name, rs.group_name, rs.group_size)
     for match in claim_matmuls(matches, result, scattered):
         name = match.all_gather.name
         if name in failed:
