@@ -5,6 +5,7 @@ forward, H200) traced at full size on the meta device, device profiles, traces a
 import dataclasses
 import json
 import operator
+import warnings
 
 import pytest
 import torch
@@ -235,6 +236,52 @@ def test_a_2d_mesh_rewrites_every_tp_site_and_leaves_the_weight_gathers_with_rea
     rewritten, skipped = done["backward"]
     assert skipped == [] and ("tp", "mm+reduce_scatter") in rewritten and \
         ("dp", "mm+reduce_scatter") in rewritten
+
+
+@pytest.mark.parametrize("how", ["turned off", "failed"])
+def test_a_2d_mesh_reduce_scatter_that_is_not_rewritten_leaves_the_matmul_to_its_weight_gather(
+        how, monkeypatch):
+    """An attack on the choice above, in bf16: the output projection's TP reduce-scatter
+    turned off by ``overlap_sites``, or its rewrite raising once (the safety net's retry):
+    its FSDP weight gather is rewritten instead, not both left as collectives."""
+    import leancompile.passes.flash.driver as driver
+    from leancompile.sim.fullscale import fake_mesh, llama_2d_block
+    from leancompile.sim.graph_facts import group_name
+
+    with fake_mesh(2, 2) as (dp, tp):
+        gm = llama_2d_block(2, 2, (2, 64, 256), backward=False, dp_group=dp,
+                            tp_group=tp)["forward"]
+        axes = {dp.group_name: "dp", tp.group_name: "tp"}
+        nodes = {n.name: n for n in gm.graph.nodes}
+        first_rs = next(n.name for n in gm.graph.nodes
+                        if "reduce_scatter_tensor" in str(n.target))
+        options = {"overlap": "flash"}
+        if how == "turned off":
+            options["overlap_sites"] = {first_rs: "none"}
+        else:
+            monkeypatch.delenv("LEANCOMPILE_ON_ERROR", raising=False)
+            original = driver.rewrite_reduce_scatter
+
+            def fail_first(gm, match, **kw):
+                if match.reduce_scatter.name == first_rs:
+                    raise RuntimeError("injected")
+                return original(gm, match, **kw)
+
+            monkeypatch.setattr(driver, "rewrite_reduce_scatter", fail_first)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, record = rewrite(gm, "forward", **options)
+        result, = [p for p in record.passes if p.name == "flash_overlap"]
+    rewritten = sorted((axes[group_name(nodes[x.node])], x.kind) for x in result.rewritten)
+    # the other projection's reduce-scatter still wins over its weight gather; this one's
+    # weight gather takes the matmul
+    assert rewritten == [("dp", "all_gather+mm")] + [("tp", "all_gather+mm")] * 2 + \
+        [("tp", "mm+reduce_scatter")], result
+    # left with a reason (turned off: that; failed: the retry's, the raise in a warning)
+    assert first_rs in {x.node for x in result.skipped}, result
+    raised = [str(w.message) for w in caught if f"the site at {first_rs} raised" in
+              str(w.message)]
+    assert bool(raised) == (how == "failed"), raised
 
 
 def test_bench_overlap_simulates_a_llama_block_on_a_2d_mesh(capsys):
