@@ -209,6 +209,7 @@ def check_all_rewritten(gm: fx.GraphModule, results: list[PassResult], *, phase:
     pass rewrites that kind of collective)."""
     from .passes.bucket_collectives import META_KEY as BUCKET_META
     from .passes.flash.driver import AUTO_KEPT_REASON
+    from .passes.prefetch_gathers import META_KEY as PREFETCH_META
 
     reasons = {site.node: f"{result.name}: {site.reason}" for result in results
                for site in result.skipped}
@@ -220,7 +221,7 @@ def check_all_rewritten(gm: fx.GraphModule, results: list[PassResult], *, phase:
             continue
         namespace = getattr(node.target, "namespace", None)
         if namespace not in COLLECTIVE_NAMESPACES or "wait_tensor" in str(node.target) or \
-                node.name in chosen:
+                node.name in chosen or PREFETCH_META in node.meta:  # issued ahead: hidden
             continue
         bucket = node.meta.get(BUCKET_META)
         why = (f"bucket_collectives merged collectives the overlap pass left into it ({bucket}; "

@@ -18,7 +18,8 @@ def test_explain_mlp_shows_forward_and_backward(compiler):
     assert "aten.addmm" in forward.before and "aten.addmm" in forward.after
     assert "tangents_1" in backward.before and "tangents_1" in backward.after
     assert [p.name for p in forward.passes] == ["canonicalize", "lean_grpo", "flash_overlap",
-                                                   "gather_at_use", "bucket_collectives"]
+                                                   "prefetch_gathers", "gather_at_use",
+                                                   "bucket_collectives"]
     # opt-in: no schedule=, overlap=, gather_at_use= or bucket_cap_mb= given
     assert all(p.disabled for p in forward.passes[1:])
     assert report is leancompile.last_report()
@@ -29,8 +30,9 @@ def test_explain_mlp_shows_forward_and_backward(compiler):
 def test_explain_aot_eager_reports_rewrites_with_op_diff():
     report = leancompile.explain(mlp(), torch.randn(4, 16), compiler="aot_eager")
     backward = report.graph("backward")
-    result, _, flash, at_use, buckets = backward.passes
+    result, _, flash, prefetch, at_use, buckets = backward.passes
     assert flash.name == "flash_overlap" and flash.disabled
+    assert prefetch.name == "prefetch_gathers" and prefetch.disabled
     assert at_use.name == "gather_at_use" and at_use.disabled
     assert buckets.name == "bucket_collectives" and buckets.disabled
     views = backward.op_counts_before["aten.view.default"]

@@ -627,3 +627,44 @@ def test_schedules_recorded_on_meta_equal_the_fake_tensor_recording(group, monke
             if isinstance(val, torch.Tensor):
                 assert isinstance(val, torch._subclasses.FakeTensor) and val.device.type == \
                     "cpu", n.format_node()
+
+
+def test_a_second_weights_gather_after_the_first_matmul_moves_up_with_its_wait(group):
+    """A SwiGLU FFN on a 2-D mesh: the sequence gather feeds two matmuls whose weights are
+    gathered (FSDP) where each is used, so w3's gather and wait come after w1's matmul, where
+    the input gather's schedule goes. The rewrite moves w3's gather and its wait up before
+    the schedule (only pure nodes between: the communication keeps its order); with another
+    collective between them it refuses, with the reason."""
+    from leancompile.options import CompileOptions
+    from leancompile.passes.flash.driver import flash_overlap_pass
+
+    def ffn(x, w1, w3):
+        h = all_gather_single(x + x.mean(), 0, group)
+        a = h @ all_gather_single(w1, 0, group).t()
+        return F.silu(a) * (h @ all_gather_single(w3, 0, group).t())
+
+    def ffn_with_a_collective_between(x, w1, w3, y):
+        h = all_gather_single(x + x.mean(), 0, group)
+        a = h @ all_gather_single(w1, 0, group).t()
+        z = all_gather_single(y, 0, group)  # a collective after the first matmul
+        return F.silu(a) * (h @ all_gather_single(w3, 0, group).t()) + z
+
+    args = (torch.randn(2, 16), torch.randn(8, 16), torch.randn(8, 16))
+    options = CompileOptions(compiler="aot_eager", overlap="flash")
+    gm = make_fx(ffn, tracing_mode="fake")(*args)
+    comm = [n.args[0].name for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    result = flash_overlap_pass(gm, options)
+    assert [s.kind for s in result.rewritten] == [AG_SITE], result.summary()
+    assert all("also reads the all-gather" in s.reason for s in result.skipped), result.summary()
+    nodes = list(gm.graph.nodes)
+    left = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default]
+    assert [n.args[0].name for n in left] == comm[1:]  # w1's, then w3's: their order kept
+    first_p2p = next(n for n in nodes if getattr(n.target, "namespace", "") == "leancompile")
+    w3_wait = next(iter(left[1].users))
+    assert nodes.index(w3_wait) < nodes.index(first_p2p)
+    gm.graph.lint()
+
+    gm = make_fx(ffn_with_a_collective_between, tracing_mode="fake")(*args, torch.randn(2, 32))
+    result = flash_overlap_pass(gm, options)
+    [site] = [s for s in result.skipped if s.reason.endswith("but cannot be moved")]
+    assert site.kind == AG_SITE and result.rewritten == [], result.summary()

@@ -10,17 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import bucket_collectives, canonicalize, flash_overlap, gather_at_use, lean_grpo
+from . import (bucket_collectives, canonicalize, flash_overlap, gather_at_use, lean_grpo,
+               prefetch_gathers)
 from .bucket_collectives import bucket_collectives_pass
 from .gather_at_use import gather_at_use_pass
 from .canonicalize import canonicalize_pass
 from .flash import driver as flash_driver
 from .flash.driver import flash_overlap_pass
 from .lean_grpo import lean_grpo_pass
+from .prefetch_gathers import prefetch_gathers_pass
 from .result import PassResult, Site
 
 __all__ = ["PassSpec", "PASSES", "pass_names", "canonicalize_pass", "flash_overlap_pass",
-           "lean_grpo_pass", "gather_at_use_pass", "bucket_collectives_pass", "PassResult", "Site",
+           "lean_grpo_pass", "prefetch_gathers_pass", "gather_at_use_pass", "bucket_collectives_pass", "PassResult", "Site",
            "flash_overlap"]
 # (flash_overlap: the old import path of flash/, readable as leancompile.passes.flash_overlap
 # as before)
@@ -55,6 +57,15 @@ PASSES: tuple[PassSpec, ...] = (
              doc="FlashOverlap (overlap='flash'|'slice'): collectives around matmuls to P2P "
                  "schedules", module_file=flash_driver.__file__,
              active=lambda options: options.overlap is not None),
+    # After FlashOverlap: it issues ahead the parameter gathers FlashOverlap left (a 2-D
+    # mesh's FSDP weight gathers beside decomposed TP collectives). Not with gather_at_use,
+    # whose buckets are issued one bucket ahead instead.
+    PassSpec(name=prefetch_gathers.NAME, fn=prefetch_gathers_pass,
+             version=prefetch_gathers.VERSION,
+             doc="prefetched gathers (with overlap=): each parameter all-gather left issued "
+                 "right after the previous one of its group is waited on",
+             module_file=prefetch_gathers.__file__,
+             active=lambda options: options.overlap is not None and not options.gather_at_use),
     # After FlashOverlap (its schedules stay where they are), before the buckets (they then
     # follow the order of use).
     PassSpec(name=gather_at_use.NAME, fn=gather_at_use_pass, version=gather_at_use.VERSION,

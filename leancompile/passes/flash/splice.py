@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ...runtime.namespaces import ANY_COLLECTIVE_NAMESPACES, COMMUNICATION_NAMESPACES
 from .vocabulary import METADATA, RESHAPES, node_val, shape_of
 
 __all__ = ["SITE_META", "Unsupported", "bind_symbolic_sizes", "detach_metadata_readers",
@@ -255,9 +256,26 @@ def inline(graph: fx.Graph, sub: fx.Graph, inputs: list, before: fx.Node, site: 
 
 
 def hoist(node: fx.Node, anchor: fx.Node, order: dict) -> None:
-    """Move ``node`` (and what it needs) before ``anchor`` if it comes after it. Only pure
-    nodes are moved (the weights' transposes, reshapes)."""
+    """Move ``node`` (and what it needs) before ``anchor`` if it comes after it. Pure nodes are
+    moved (the weights' transposes, reshapes), and one kind of effect: the wait of an
+    all-gather issued after ``anchor`` with only pure nodes between the two (``_movable_gather``:
+    a second weight of one schedule, gathered by FSDP after the first matmul). The gather and
+    its wait move up together, past pure nodes only, so the graph's collectives keep their
+    order, and the gather is issued earlier (a prefetch)::
+
+        y1 = mm(x, w1)                          g = all_gather(w2_r); w2 = wait(g)
+        g = all_gather(w2_r); w2 = wait(g)  ->  y1 = mm(x, w1)   (the schedule, reading w2)
+        y2 = mm(x, w2)                          y2 = mm(x, w2)
+    """
     if not isinstance(node, fx.Node) or order[node] < order[anchor]:
+        return
+    gather = _movable_gather(node, anchor, order)
+    if gather is not None:
+        for arg in gather.all_input_nodes:
+            hoist(arg, anchor, order)
+        for moved in (gather, node):
+            anchor.prepend(moved)
+            order[moved] = order[anchor] - 0.5
         return
     if node.op != "call_function" or node.is_impure():
         raise Unsupported(f"{node.name} is needed before {anchor.name} but cannot be moved")
@@ -265,6 +283,31 @@ def hoist(node: fx.Node, anchor: fx.Node, order: dict) -> None:
         hoist(arg, anchor, order)
     anchor.prepend(node)
     order[node] = order[anchor] - 0.5
+
+
+def _movable_gather(node: fx.Node, anchor: fx.Node, order: dict) -> fx.Node | None:
+    """The all-gather ``node`` waits for, when ``node`` is its only reader's ``wait_tensor`` and
+    every node from ``anchor`` to ``node`` (the gather aside) is pure, so that moving the pair
+    before ``anchor`` crosses no collective and no effect; else None."""
+    if node.op != "call_function" or node.target is not _c10d.wait_tensor.default:
+        return None
+    gather = node.args[0]
+    if (not isinstance(gather, fx.Node) or gather.target is not _c10d.all_gather_into_tensor.default
+            or len(gather.users) != 1):
+        return None
+    between = anchor.next
+    while between is not node:
+        if between is not gather and (
+                between.op != "call_function" or between.is_impure()
+                or getattr(between.target, "namespace", None) in ANY_COMMUNICATION):
+            return None
+        between = between.next
+    return gather
+
+
+_c10d = torch.ops._c10d_functional
+ANY_COMMUNICATION = COMMUNICATION_NAMESPACES + ANY_COLLECTIVE_NAMESPACES
+"""Never crossed by a moved gather (functional collectives are not marked impure in FX)."""
 
 
 def detach_metadata_readers(nodes) -> None:

@@ -1,0 +1,164 @@
+"""Prefetched gathers: each parameter all-gather the overlap pass leaves is issued one gather
+ahead, right after the previous parameter gather of its process group is waited on, as FSDP2
+prefetches (on with ``overlap=``; ``disable=("prefetch_gathers",)`` turns it off; not with
+``gather_at_use=True``, whose buckets prefetch one bucket ahead instead).
+
+Where it matters: a 2-D mesh (FSDP over one axis, tensor + sequence parallelism over the
+other; torchtitan's SimpleFSDP + TP). There FlashOverlap decomposes the TP collectives, whose
+activations are on the critical path, and leaves the FSDP gather of the same matmul's weight
+as it was (``flash/all_gather_match.claim_matmuls``), waited on right where the weight is
+used: exposed. A weight gather reads a parameter only, so it can be issued as early as the
+graph likes; issuing it one gather ahead hides it behind the compute between the two waits
+while holding at most one more gathered weight than before.
+
+Before (one group ``dp``; between the waits, the attention and its TP schedules)::
+
+    g1 = all_gather(wqkv_r, dp); wqkv = wait(g1)
+    ... qkv = mm(x, wqkv) ... attention ... (TP P2P steps)
+    g2 = all_gather(wo_r, dp);   wo = wait(g2)
+    out = mm(a, wo)
+
+After (the second gather issued as soon as the first is waited on)::
+
+    g1 = all_gather(wqkv_r, dp); wqkv = wait(g1)
+    g2 = all_gather(wo_r, dp)
+    ... qkv = mm(x, wqkv) ... attention ... (TP P2P steps)
+    wo = wait(g2)
+    out = mm(a, wo)
+
+Which gathers: those of a graph input through pure single-input ops (a parameter's shard, a
+mixed-precision cast of it), waited on with ``wait_tensor``, not a piece of an overlap
+schedule. Found separately from moved (``find_prefetches``); each gather left where it is is
+reported with the reason (the first of its group, already right after the previous wait, an
+activation's gather, a schedule's piece).
+
+Legal, and every rank agrees: a moved gather's inputs are graph inputs, or pure ops over them
+that move with it, so they still come first; its wait stays where it was, so every reader of
+the gathered weight still comes after it. The gathers of one group keep their order (each
+moves only up to the previous one's wait), so every rank issues that group's communication in
+the same order; the moves cross other groups' communication (the TP schedules), and only
+issues move, never waits. Where each gather goes is read from the order of the graph's
+communication alone, not from sizes or compute, so every rank, and the forward and inference
+graphs of one step (same communication, same order), move the same gathers to the same place.
+Values are unchanged bit for bit: only when a transfer starts changes.
+
+Memory: a gathered weight exists from its gather's issue (where an asynchronous backend
+allocates it) to its last reader, so one gather ahead holds, between two waits, the next
+weight too: at most one parameter's gathered size more than before per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .flash.splice import SITE_META
+from .result import PassResult, is_pure_op, recompile
+
+__all__ = ["prefetch_gathers_pass", "find_prefetches", "move_prefetch", "Prefetch", "NAME",
+           "VERSION", "META_KEY"]
+
+NAME = "prefetch_gathers"
+VERSION = 1
+KIND = "all_gather"
+META_KEY = "leancompile_prefetched"
+"""``meta`` key of a moved gather: the wait it now comes right after."""
+
+_c10d = torch.ops._c10d_functional
+ALL_GATHER = _c10d.all_gather_into_tensor.default
+WAIT = _c10d.wait_tensor.default
+
+
+@dataclass
+class Prefetch:
+    """One gather and the pure ops computing its input from a graph input (``chain``, in
+    graph order), to be moved right after ``after`` (the previous gather's wait)."""
+
+    gather: fx.Node
+    chain: list[fx.Node]
+    after: fx.Node
+
+
+def _input_chain(node) -> list[fx.Node] | None:
+    """The pure single-input ops from a graph input to ``node`` (``node`` last; ``[]`` when
+    ``node`` is the graph input), or None when ``node`` is not computed that way."""
+    chain = []
+    while isinstance(node, fx.Node) and node.op == "call_function" and is_pure_op(node) \
+            and len(node.all_input_nodes) == 1:
+        chain.append(node)
+        node = node.all_input_nodes[0]
+    if not (isinstance(node, fx.Node) and node.op == "placeholder"):
+        return None
+    return chain[::-1]
+
+
+def find_prefetches(gm: fx.GraphModule, result: PassResult) -> list[Prefetch]:
+    """The parameter gathers to issue one gather ahead (module docstring), in graph order;
+    every other all-gather goes to ``result`` with its reason."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    last_wait: dict[tuple, fx.Node] = {}  # per (group size, group name): the last gather's wait
+    found = []
+    for node in nodes:
+        if node.op != "call_function" or node.target is not ALL_GATHER:
+            continue
+        if SITE_META in node.meta:
+            result.skip(node, KIND, f"a piece of the overlap pass's schedule for "
+                                    f"{node.meta[SITE_META]}")
+            continue
+        if len(node.args) < 3:
+            result.skip(node, KIND, "its group is not given positionally (group size, name)")
+            continue
+        group = (node.args[1], node.args[2])
+        waits = list(node.users)
+        if not waits or any(w.target is not WAIT for w in waits):
+            result.skip(node, KIND, "its result is read before a wait_tensor (or never "
+                                    "waited on)")
+            continue
+        chain = _input_chain(node.args[0])
+        previous = last_wait.get(group)
+        last_wait[group] = min(waits, key=pos.__getitem__)
+        if chain is None:
+            result.skip(node, KIND, "gathers a value the graph computes (an activation), not "
+                                    "a graph input: it cannot be issued before that value")
+            continue
+        if previous is None:
+            result.skip(node, KIND, f"the first gather of group {group[1]!r} in this graph: "
+                                    "no earlier wait to issue it after")
+            continue
+        if pos[previous] > pos[node]:
+            result.skip(node, KIND, f"issued before the previous gather of its group is waited "
+                                    f"on ({previous.name}): already ahead")
+            continue
+        # The chain from the previous wait on must move too; what comes before it stays.
+        moving = [n for n in chain if pos[n] > pos[previous]]
+        if all(pos[n] == pos[previous] + 1 + i for i, n in enumerate([*moving, node])):
+            result.skip(node, KIND, f"already right after the previous gather's wait "
+                                    f"({previous.name})")
+            continue
+        found.append(Prefetch(gather=node, chain=moving, after=previous))
+    return found
+
+
+def move_prefetch(prefetch: Prefetch) -> None:
+    """Move the gather (after its moving chain) to right after ``prefetch.after``."""
+    at = prefetch.after
+    for node in [*prefetch.chain, prefetch.gather]:
+        at.append(node)
+        at = node
+    prefetch.gather.meta[META_KEY] = prefetch.after.name
+
+
+def prefetch_gathers_pass(gm: fx.GraphModule, options) -> PassResult:
+    result = PassResult(name=NAME)
+    prefetches = find_prefetches(gm, result)
+    for prefetch in prefetches:
+        move_prefetch(prefetch)
+        result.rewrite(prefetch.gather, f"{KIND} issued after the previous gather's wait "
+                                        f"({prefetch.after.name})")
+    if prefetches:
+        gm.graph.lint()
+        recompile(gm)
+    return result
