@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from .report import GraphRecord, Report, record_report
 from .options import CompileOptions
-from .passes import PASSES
+from .passes import PASSES, inductor_config_patches
 from .pipeline import Pipeline
 
 __all__ = ["backend", "install", "Installation", "LeanGraphPass", "leancompile_backend",
@@ -245,8 +245,8 @@ class LeanBackend:
         if self.options.compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            compiled = compile_fx(gm, example_inputs,
-                                  config_patches={"post_grad_custom_pre_pass": graph_pass})
+            compiled = compile_fx(gm, example_inputs, config_patches={
+                "post_grad_custom_pre_pass": graph_pass, **inductor_config_patches(self.options)})
             if not report.graphs:
                 report.cached = True
                 log.info("leancompile: graph %d served from Inductor's cache; passes not rerun",
@@ -332,6 +332,11 @@ class Installation:
         self.previous = config.post_grad_custom_pre_pass
         self.graph_pass = LeanGraphPass(options, previous=self.previous)
         config.post_grad_custom_pre_pass = self.graph_pass
+        # Inductor settings the passes need (inductor_config_patches), put back on uninstall
+        self._patched = {name: getattr(config, name)
+                         for name in inductor_config_patches(options)}
+        for name, value in inductor_config_patches(options).items():
+            setattr(config, name, value)
         self.active = True
         self.reports: list[Report] = []
         """One report per compile while installed, in order (a forward and its later
@@ -363,6 +368,8 @@ class Installation:
                 f"({config.post_grad_custom_pre_pass!r}); remove it first, so that uninstalling"
                 " leancompile does not drop it")
         config.post_grad_custom_pre_pass = self.previous
+        for name, value in self._patched.items():
+            setattr(config, name, value)
         self.active = False
         handler = torch._dynamo.callback.callback_handler
         if self._start in handler.start_callbacks:

@@ -150,3 +150,98 @@ def test_strict_counts_a_prefetched_gather_as_hidden():
     for name in ("all_gather_into_tensor_2", "all_gather_into_tensor_3",
                  "all_gather_into_tensor_5"):
         assert f"{name} (" not in message, message
+
+
+def _gathered_first(x, a, b, c):
+    """Every weight's gather issued first (as a step that gathers its whole model at the top),
+    each waited on where its layer reads it."""
+    ga, gb, gc = (c10d.all_gather_into_tensor(p, 2, "dp") for p in (a, b, c))
+    x = torch.tanh(x @ c10d.wait_tensor(ga).t())
+    x = torch.tanh(x @ c10d.wait_tensor(gb).t())
+    return x @ c10d.wait_tensor(gc).t()
+
+
+def test_gathers_issued_all_at_once_move_down_to_one_ahead_and_the_peak_falls():
+    from leancompile.passes.gather_at_use import peak_gathered_bytes
+
+    args = (torch.randn(4, 16),) + tuple(torch.randn(8, 16) for _ in range(3))
+    gm = make_fx(_gathered_first, tracing_mode="fake")(*args)
+    before, comm = peak_gathered_bytes(gm), _comm(gm)
+    result = prefetch_gathers_pass(gm, OPTIONS)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    gathers = [n for n in nodes if n.target is AG]
+    waits = [n for n in nodes if n.target is WAIT]
+    assert [nodes.index(g) for g in gathers[1:]] == [nodes.index(w) + 1 for w in waits[:2]]
+    assert len(result.rewritten) == 2 and peak_gathered_bytes(gm) < before
+    # the group's collectives in their order, the waits where they were
+    assert [c for c in _comm(gm) if c[0] != "wait"] == [c for c in comm if c[0] != "wait"]
+    assert [c for c in _comm(gm) if c[0] == "wait"] == [c for c in comm if c[0] == "wait"]
+    gm.graph.lint()
+
+
+def test_left_alone_a_gather_waited_on_first_or_a_move_across_its_own_group():
+    def read_in_another_order(x, a, b):
+        wa, wb = _gather(a, "dp"), _gather(b, "dp")  # traced: wait(a), then wait(b)
+        return torch.tanh(x @ wb.t()) @ wa
+
+    def a_reduction_of_its_group_between(x, a, b):
+        wa = _gather(a, "dp")
+        y = torch.tanh(x @ wa.t())
+        s = c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", 2, "dp"))
+        return (s @ _gather(b, "dp").t()).sum() + y.sum()
+
+    args = (torch.randn(4, 16), torch.randn(8, 16), torch.randn(8, 16))
+    gm = make_fx(read_in_another_order, tracing_mode="fake")(*args)
+    # reorder the waits as a compiler laying the graph out by first use would
+    waits = [n for n in gm.graph.nodes if n.target is WAIT]
+    waits[0].prepend(waits[1])
+    result = prefetch_gathers_pass(gm, OPTIONS)
+    assert result.rewritten == [] and "before the previous gather of its group" in \
+        result.skipped[-1].reason, result.summary()
+
+    gm = make_fx(a_reduction_of_its_group_between, tracing_mode="fake")(*args)
+    result = prefetch_gathers_pass(gm, OPTIONS)
+    [skip] = [s for s in result.skipped if "would cross" in s.reason]
+    assert "reduce_scatter_tensor, a collective of its own group" in skip.reason, skip.reason
+    assert result.rewritten == []
+
+
+def test_inductor_keeps_the_order_the_pass_arranged():
+    """Inductor's peak-memory reordering (on by default) moves each gather down to its wait;
+    a compile with this pass turns it off, so the generated code issues the gathers as the
+    graph does. Graph-only: a fake process group, Inductor's code read back."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch._inductor.utils import run_and_get_code
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import leancompile
+    from leancompile.passes import inductor_config_patches
+
+    assert inductor_config_patches(OPTIONS) == {"reorder_for_peak_memory": False}
+    assert inductor_config_patches(CompileOptions()) == {}
+    assert inductor_config_patches(CompileOptions(overlap="flash", disable=NAME)) == {}
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        group = dist.group.WORLD
+
+        def f(x, a, b, c, w):  # weights read elementwise: nothing for FlashOverlap to take
+            h = torch.tanh((x * funcol.all_gather_tensor(a, 0, group)) @ w)
+            h = torch.tanh((h * funcol.all_gather_tensor(b, 0, group)) @ w)
+            return (h * funcol.all_gather_tensor(c, 0, group)) @ w
+
+        args = [torch.randn(64, 64)] + [torch.randn(32, 64) for _ in range(3)] + [
+            torch.randn(64, 64)]
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            _, [code] = run_and_get_code(torch.compile(f, backend=leancompile.backend(
+                overlap="flash")), *args)
+        lines = [line.strip() for line in code.splitlines()]
+        issue = [i for i, line in enumerate(lines) if "all_gather_into_tensor.default(" in line]
+        mms = [i for i, line in enumerate(lines) if "extern_kernels.mm(" in line]
+        # (the traced graph issues all three first; with the reordering on, Inductor's code
+        # issued each right before its wait, after the previous layer's matmul)
+        assert len(issue) == 3 and issue[1] < mms[0] and issue[2] < mms[1], "\n".join(lines)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

@@ -21,7 +21,7 @@ from .lean_grpo import lean_grpo_pass
 from .prefetch_gathers import prefetch_gathers_pass
 from .result import PassResult, Site
 
-__all__ = ["PassSpec", "PASSES", "pass_names", "canonicalize_pass", "flash_overlap_pass",
+__all__ = ["PassSpec", "PASSES", "pass_names", "inductor_config_patches", "canonicalize_pass", "flash_overlap_pass",
            "lean_grpo_pass", "prefetch_gathers_pass", "gather_at_use_pass", "bucket_collectives_pass", "PassResult", "Site",
            "flash_overlap"]
 # (flash_overlap: the old import path of flash/, readable as leancompile.passes.flash_overlap
@@ -84,3 +84,21 @@ PASSES: tuple[PassSpec, ...] = (
 
 def pass_names() -> tuple[str, ...]:
     return tuple(spec.name for spec in PASSES)
+
+
+def _runs(name: str, options) -> bool:
+    spec = next(s for s in PASSES if s.name == name)
+    return name not in options.disable and spec.active(options)
+
+
+def inductor_config_patches(options) -> dict:
+    """The Inductor settings a compile with ``options`` needs for what the passes arrange to
+    survive Inductor's scheduling: ``reorder_for_peak_memory`` off where a pass issues
+    collectives ahead of their use (``prefetch_gathers``; buckets after ``gather_at_use``).
+    That reordering (on by default in torch 2.13) moves every collective down to right before
+    its wait, to allocate its output late, which undoes any issuing ahead; torchtitan's
+    graph_trainer turns it off for the same reason. The overlap schedules' own order does not
+    depend on it (``runtime/p2p.py``: their waits depend on the compute they overlap)."""
+    ahead = _runs(prefetch_gathers.NAME, options) or (
+        options.gather_at_use and _runs(bucket_collectives.NAME, options))
+    return {"reorder_for_peak_memory": False} if ahead else {}

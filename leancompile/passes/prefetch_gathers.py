@@ -26,18 +26,28 @@ After (the second gather issued as soon as the first is waited on)::
     wo = wait(g2)
     out = mm(a, wo)
 
+A gather issued earlier than that (a graph that gathers every parameter first) moves down to
+the same place, so that no more than one gather per group is in flight ahead of its use: the
+memory FSDP's one-ahead prefetch holds, not the whole model's.
+
 Which gathers: those of a graph input through pure single-input ops (a parameter's shard, a
 mixed-precision cast of it), waited on with ``wait_tensor``, not a piece of an overlap
 schedule. Found separately from moved (``find_prefetches``); each gather left where it is is
-reported with the reason (the first of its group, already right after the previous wait, an
-activation's gather, a schedule's piece).
+reported with the reason (the first of its group, already right after the previous wait,
+waited on before the previous gather, a move that would cross a collective of its own group,
+an activation's gather, a schedule's piece).
+
+Under Inductor: its ``reorder_for_peak_memory`` (on by default) moves every collective down to
+right before its wait, which would undo this; a compile where this pass runs turns it off
+(``passes.inductor_config_patches``).
 
 Legal, and every rank agrees: a moved gather's inputs are graph inputs, or pure ops over them
-that move with it, so they still come first; its wait stays where it was, so every reader of
-the gathered weight still comes after it. The gathers of one group keep their order (each
-moves only up to the previous one's wait), so every rank issues that group's communication in
-the same order; the moves cross other groups' communication (the TP schedules), and only
-issues move, never waits. Where each gather goes is read from the order of the graph's
+that move with it, so they still come first; its wait stays where it was, and comes after the
+new place (a gather waited on before the previous one is left alone), so every reader of the
+gathered weight still comes after it. A move never crosses a collective or point-to-point step
+of the gather's own group, and the group's gathers keep their order, so every rank issues each
+group's communication in the same order; moves cross other groups' communication (the TP
+schedules), and only issues move, never waits. Where each gather goes is read from the order of the graph's
 communication alone, not from sizes or compute, so every rank, and the forward and inference
 graphs of one step (same communication, same order), move the same gathers to the same place.
 Values are unchanged bit for bit: only when a transfer starts changes.
@@ -54,6 +64,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..runtime.namespaces import ANY_COMMUNICATION_NAMESPACES
 from .flash.splice import SITE_META
 from .result import PassResult, is_pure_op, recompile
 
@@ -95,12 +106,11 @@ def _input_chain(node) -> list[fx.Node] | None:
 
 
 def find_prefetches(gm: fx.GraphModule, result: PassResult) -> list[Prefetch]:
-    """The parameter gathers to issue one gather ahead (module docstring), in graph order;
+    """The graph-input gathers to issue one gather ahead (module docstring), in graph order;
     every other all-gather goes to ``result`` with its reason."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    last_wait: dict[tuple, fx.Node] = {}  # per (group size, group name): the last gather's wait
-    found = []
+    groups: dict[tuple, list[tuple[fx.Node, list[fx.Node], fx.Node]]] = {}
     for node in nodes:
         if node.op != "call_function" or node.target is not ALL_GATHER:
             continue
@@ -111,35 +121,56 @@ def find_prefetches(gm: fx.GraphModule, result: PassResult) -> list[Prefetch]:
         if len(node.args) < 3:
             result.skip(node, KIND, "its group is not given positionally (group size, name)")
             continue
-        group = (node.args[1], node.args[2])
         waits = list(node.users)
         if not waits or any(w.target is not WAIT for w in waits):
             result.skip(node, KIND, "its result is read before a wait_tensor (or never "
                                     "waited on)")
             continue
         chain = _input_chain(node.args[0])
-        previous = last_wait.get(group)
-        last_wait[group] = min(waits, key=pos.__getitem__)
         if chain is None:
             result.skip(node, KIND, "gathers a value the graph computes (an activation), not "
                                     "a graph input: it cannot be issued before that value")
             continue
-        if previous is None:
-            result.skip(node, KIND, f"the first gather of group {group[1]!r} in this graph: "
-                                    "no earlier wait to issue it after")
-            continue
-        if pos[previous] > pos[node]:
-            result.skip(node, KIND, f"issued before the previous gather of its group is waited "
-                                    f"on ({previous.name}): already ahead")
-            continue
-        # The chain from the previous wait on must move too; what comes before it stays.
-        moving = [n for n in chain if pos[n] > pos[previous]]
-        if all(pos[n] == pos[previous] + 1 + i for i, n in enumerate([*moving, node])):
-            result.skip(node, KIND, f"already right after the previous gather's wait "
-                                    f"({previous.name})")
-            continue
-        found.append(Prefetch(gather=node, chain=moving, after=previous))
+        groups.setdefault((node.args[1], node.args[2]), []).append(
+            (node, chain, min(waits, key=pos.__getitem__)))
+    found = []
+    for (_, name), gathers in groups.items():
+        listed = {g for g, _, _ in gathers}
+        for k, (node, chain, wait) in enumerate(gathers):
+            if k == 0:
+                result.skip(node, KIND, f"the first gather of group {name!r} in this graph: "
+                                        "no earlier wait to issue it after")
+                continue
+            previous = gathers[k - 1][2]
+            if pos[wait] < pos[previous]:
+                result.skip(node, KIND, f"waited on ({wait.name}) before the previous gather "
+                                        f"of its group ({previous.name}): left where it is")
+                continue
+            # Up: the chain from the previous wait on moves too; what comes before stays.
+            # Down: the chain stays above (inputs still come first); the gather moves alone.
+            moving = [n for n in chain if pos[n] > pos[previous]]
+            if all(pos[n] == pos[previous] + 1 + i for i, n in enumerate([*moving, node])):
+                result.skip(node, KIND, f"already right after the previous gather's wait "
+                                        f"({previous.name})")
+                continue
+            low, high = sorted((pos[node], pos[previous]))
+            crossed = [n for n in nodes[low + 1:high] if n not in listed and _of_group(n, name)]
+            if crossed:
+                result.skip(node, KIND, f"moving it next to {previous.name} would cross "
+                                        f"{crossed[0].name}, a collective of its own group: "
+                                        "each group's communication keeps its order")
+                continue
+            found.append(Prefetch(gather=node, chain=moving, after=previous))
     return found
+
+
+def _of_group(node: fx.Node, name: str) -> bool:
+    """A communication op (collective, point-to-point step) given group ``name``."""
+    if node.op != "call_function" or getattr(node.target, "namespace", None) not in \
+            ANY_COMMUNICATION_NAMESPACES or node.target is WAIT:
+        return False
+    return any(arg == name for arg in (*node.args, *node.kwargs.values())
+               if isinstance(arg, str))
 
 
 def move_prefetch(prefetch: Prefetch) -> None:

@@ -14,10 +14,12 @@ names:
 
 A third set, ``ANY_COLLECTIVE_NAMESPACES``, adds the namespaces of graphs before
 functionalization (``c10d``: in-place collectives; ``_dtensor``: DTensor's own ops), for
-questions asked of any graph (is this node a collective at all?).
+questions asked of any graph (is this node a collective at all?); ``ANY_COMMUNICATION_NAMESPACES``
+is all of them.
 """
 
-__all__ = ["ANY_COLLECTIVE_NAMESPACES", "COLLECTIVE_NAMESPACES", "COMMUNICATION_NAMESPACES"]
+__all__ = ["ANY_COLLECTIVE_NAMESPACES", "ANY_COMMUNICATION_NAMESPACES", "COLLECTIVE_NAMESPACES",
+           "COMMUNICATION_NAMESPACES"]
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 """Functional collectives and their waits."""
@@ -28,3 +30,7 @@ all-to-all (the ``leancompile`` namespace)."""
 
 ANY_COLLECTIVE_NAMESPACES = COLLECTIVE_NAMESPACES + ("c10d", "_dtensor")
 """Collectives in any graph: functional ones, in-place ``c10d`` ones and DTensor's ops."""
+
+ANY_COMMUNICATION_NAMESPACES = COMMUNICATION_NAMESPACES + ("c10d", "_dtensor")
+"""Both: what no pass moves a collective across (functional collectives are not marked impure
+in FX, so a purity check alone would let them be crossed)."""

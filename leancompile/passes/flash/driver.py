@@ -56,7 +56,7 @@ __all__ = ["AUTO_KEPT_REASON", "NAME", "ON_ERROR_ENV", "VERSION", "flash_overlap
 log = logging.getLogger("leancompile")
 
 NAME = "flash_overlap"
-VERSION = 7
+VERSION = 8
 
 aten = torch.ops.aten
 

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ...runtime.namespaces import ANY_COLLECTIVE_NAMESPACES, COMMUNICATION_NAMESPACES
+from ...runtime.namespaces import ANY_COMMUNICATION_NAMESPACES
 from .vocabulary import METADATA, RESHAPES, node_val, shape_of
 
 __all__ = ["SITE_META", "Unsupported", "bind_symbolic_sizes", "detach_metadata_readers",
@@ -299,15 +299,13 @@ def _movable_gather(node: fx.Node, anchor: fx.Node, order: dict) -> fx.Node | No
     while between is not node:
         if between is not gather and (
                 between.op != "call_function" or between.is_impure()
-                or getattr(between.target, "namespace", None) in ANY_COMMUNICATION):
+                or getattr(between.target, "namespace", None) in ANY_COMMUNICATION_NAMESPACES):
             return None
         between = between.next
     return gather
 
 
 _c10d = torch.ops._c10d_functional
-ANY_COMMUNICATION = COMMUNICATION_NAMESPACES + ANY_COLLECTIVE_NAMESPACES
-"""Never crossed by a moved gather (functional collectives are not marked impure in FX)."""
 
 
 def detach_metadata_readers(nodes) -> None:
