@@ -245,3 +245,24 @@ def test_inductor_keeps_the_order_the_pass_arranged():
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
+
+
+def test_no_move_reorders_a_groups_gathers():
+    """Three gathers issued first; a reduction of their group between the first two waits
+    keeps the third where it is (a move would cross it), and moving the second down alone
+    would issue it after the third: none moves."""
+    def f(x, a, b, c):
+        ga, gb, gc = (c10d.all_gather_into_tensor(p, 2, "dp") for p in (a, b, c))
+        y = torch.tanh(x @ c10d.wait_tensor(ga).t())
+        s = c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", 2, "dp"))
+        y = torch.tanh(y @ c10d.wait_tensor(gb).t())
+        return (y @ c10d.wait_tensor(gc).t()).sum() + s.sum()
+
+    args = (torch.randn(4, 16),) + tuple(torch.randn(8, 16) for _ in range(3))
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    comm = _comm(gm)
+    result = prefetch_gathers_pass(gm, OPTIONS)
+    assert result.rewritten == [] and _comm(gm) == comm, result.summary()
+    reasons = [s.reason for s in result.skipped]
+    assert any("would cross reduce_scatter_tensor" in r for r in reasons), reasons
+    assert any("would change their order" in r for r in reasons), reasons

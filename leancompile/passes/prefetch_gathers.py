@@ -136,7 +136,9 @@ def find_prefetches(gm: fx.GraphModule, result: PassResult) -> list[Prefetch]:
     found = []
     for (_, name), gathers in groups.items():
         listed = {g for g, _, _ in gathers}
+        moves, at = [], {}  # at: where each of the group's gathers is issued after the moves
         for k, (node, chain, wait) in enumerate(gathers):
+            at[node] = pos[node]
             if k == 0:
                 result.skip(node, KIND, f"the first gather of group {name!r} in this graph: "
                                         "no earlier wait to issue it after")
@@ -153,6 +155,12 @@ def find_prefetches(gm: fx.GraphModule, result: PassResult) -> list[Prefetch]:
                 result.skip(node, KIND, f"already right after the previous gather's wait "
                                         f"({previous.name})")
                 continue
+            shared = [n for n in moving if len(n.users) > 1]
+            if shared:
+                result.skip(node, KIND, f"its input's {shared[0].name} is read by other nodes "
+                                        "too, and would have to move up with it: left where it "
+                                        "is")
+                continue
             low, high = sorted((pos[node], pos[previous]))
             crossed = [n for n in nodes[low + 1:high] if n not in listed and _of_group(n, name)]
             if crossed:
@@ -160,7 +168,18 @@ def find_prefetches(gm: fx.GraphModule, result: PassResult) -> list[Prefetch]:
                                         f"{crossed[0].name}, a collective of its own group: "
                                         "each group's communication keeps its order")
                 continue
-            found.append(Prefetch(gather=node, chain=moving, after=previous))
+            moves.append(Prefetch(gather=node, chain=moving, after=previous))
+            at[node] = pos[previous] + 0.5
+        order = [g for g, _, _ in gathers]
+        if sorted(order, key=at.__getitem__) != order:
+            # A gather left where it is would come before an earlier one moved down past it:
+            # the group's gathers keep their order, so none of them moves.
+            for move in moves:
+                result.skip(move.gather, KIND, "moving the group's gathers one ahead would "
+                                               "change their order (another of them is left "
+                                               "where it is): left where it is")
+            continue
+        found += moves
     return found
 
 
