@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from .report import GraphRecord, Report, record_report
 from .options import CompileOptions
-from .passes import PASSES, inductor_config_patches
+from .passes import PASSES, inductor_config_patches, inductor_patches, issues_ahead
 from .pipeline import Pipeline
 
 __all__ = ["backend", "install", "Installation", "LeanGraphPass", "leancompile_backend",
@@ -110,6 +110,11 @@ class LeanGraphPass(_PassBase):
         self.pipeline = Pipeline(options)
         self._report = report
         self._graph_index = graph_index
+        self.tunes_inductor = False
+        """Set by a caller that compiles under ``passes.inductor_patches(self)``: a graph that
+        issues collectives ahead (``passes.issues_ahead``) then turns Inductor's
+        ``reorder_for_peak_memory`` off for its own compile, which the caller's patch puts
+        back afterwards."""
 
     def __call__(self, graph: fx.Graph, is_inference: bool | None = None) -> None:
         if is_inference is None:  # an Inductor that does not say (torch 2.11)
@@ -121,6 +126,9 @@ class LeanGraphPass(_PassBase):
         # Inductor regenerates the code once, at the end of its post-grad passes (which work
         # on the graph, not the code).
         self.run(gm, phase=_phase_of(graph, is_inference), recompile=False)
+        if self.tunes_inductor and issues_ahead(gm, self.options):
+            # read by Inductor's scheduler for this graph; inductor_patches restores it
+            torch._inductor.config.reorder_for_peak_memory = False
 
     def _previous_passes(self) -> tuple:
         """The pass(es) installed before ours: Inductor takes one or a list."""
@@ -245,8 +253,7 @@ class LeanBackend:
         if self.options.compiler == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            compiled = compile_fx(gm, example_inputs, config_patches={
-                "post_grad_custom_pre_pass": graph_pass, **inductor_config_patches(self.options)})
+            compiled = compile_fx(gm, example_inputs, config_patches=inductor_patches(graph_pass))
             if not report.graphs:
                 report.cached = True
                 log.info("leancompile: graph %d served from Inductor's cache; passes not rerun",
@@ -332,7 +339,9 @@ class Installation:
         self.previous = config.post_grad_custom_pre_pass
         self.graph_pass = LeanGraphPass(options, previous=self.previous)
         config.post_grad_custom_pre_pass = self.graph_pass
-        # Inductor settings the passes need (inductor_config_patches), put back on uninstall
+        # Inductor settings the passes may need (inductor_config_patches): for every compile
+        # while installed (an installed pass cannot restore them per graph), put back on
+        # uninstall
         self._patched = {name: getattr(config, name)
                          for name in inductor_config_patches(options)}
         for name, value in inductor_config_patches(options).items():

@@ -668,3 +668,21 @@ def test_a_second_weights_gather_after_the_first_matmul_moves_up_with_its_wait(g
     result = flash_overlap_pass(gm, options)
     [site] = [s for s in result.skipped if s.reason.endswith("but cannot be moved")]
     assert site.kind == AG_SITE and result.rewritten == [], result.summary()
+
+    # w3's gather issued first (a prefetch the program wrote), another gather of the group
+    # after it, w3 waited on after the first matmul: the wait alone moves up, the gathers keep
+    # their order (a review's reproduction: the pair used to move down below y's gather)
+    def ffn_with_w3_issued_first(x, w1, w3, y):
+        g3 = c10d.all_gather_into_tensor(w3, WORLD, group.group_name)
+        gy = c10d.all_gather_into_tensor(y, WORLD, group.group_name)
+        h = all_gather_single(x + x.mean(), 0, group)
+        a = h @ all_gather_single(w1, 0, group).t()
+        return F.silu(a) * (h @ c10d.wait_tensor(g3).t()) + c10d.wait_tensor(gy).sum()
+
+    gm = make_fx(ffn_with_w3_issued_first, tracing_mode="fake")(*args, torch.randn(2, 32))
+    result = flash_overlap_pass(gm, options)
+    assert [s.kind for s in result.rewritten] == [AG_SITE], result.summary()
+    nodes = list(gm.graph.nodes)
+    left = [n.args[0].name for n in nodes if n.target is c10d.all_gather_into_tensor.default]
+    assert left == ["w3_1", "y_1", "w1_1"], left
+    gm.graph.lint()

@@ -208,8 +208,9 @@ def test_left_alone_a_gather_waited_on_first_or_a_move_across_its_own_group():
 
 def test_inductor_keeps_the_order_the_pass_arranged():
     """Inductor's peak-memory reordering (on by default) moves each gather down to its wait;
-    a compile with this pass turns it off, so the generated code issues the gathers as the
-    graph does. Graph-only: a fake process group, Inductor's code read back."""
+    a graph that issues gathers ahead turns it off for its own compile, so the generated code
+    issues the gathers as the graph does, and the setting is as before afterwards.
+    Graph-only: a fake process group, Inductor's code read back."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
     from torch._inductor.utils import run_and_get_code
@@ -221,6 +222,7 @@ def test_inductor_keeps_the_order_the_pass_arranged():
     assert inductor_config_patches(OPTIONS) == {"reorder_for_peak_memory": False}
     assert inductor_config_patches(CompileOptions()) == {}
     assert inductor_config_patches(CompileOptions(overlap="flash", disable=NAME)) == {}
+    default = torch._inductor.config.reorder_for_peak_memory
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
         group = dist.group.WORLD
@@ -242,6 +244,12 @@ def test_inductor_keeps_the_order_the_pass_arranged():
         # (the traced graph issues all three first; with the reordering on, Inductor's code
         # issued each right before its wait, after the previous layer's matmul)
         assert len(issue) == 3 and issue[1] < mms[0] and issue[2] < mms[1], "\n".join(lines)
+        # per graph: the setting is back as it was after the compile
+        assert torch._inductor.config.reorder_for_peak_memory is default
+        # install(): off while installed (an installed pass cannot restore it per graph)
+        with leancompile.install(overlap="flash"):
+            assert torch._inductor.config.reorder_for_peak_memory is False
+        assert torch._inductor.config.reorder_for_peak_memory is default
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
@@ -266,3 +274,65 @@ def test_no_move_reorders_a_groups_gathers():
     reasons = [s.reason for s in result.skipped]
     assert any("would cross reduce_scatter_tensor" in r for r in reasons), reasons
     assert any("would change their order" in r for r in reasons), reasons
+
+
+def test_a_gather_already_one_ahead_counts_as_issued_ahead():
+    """Nothing to move (each gather already right after the previous wait): the gathers are
+    tagged all the same, so ``strict=True`` takes them as hidden and Inductor keeps them there
+    (``passes.issues_ahead``)."""
+    from leancompile.passes import issues_ahead
+
+    def f(x, a, b):
+        wa = _gather(a, "dp")
+        gb = c10d.all_gather_into_tensor(b, 2, "dp")
+        y = torch.tanh(x @ wa.t())
+        return y @ c10d.wait_tensor(gb).t()
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 16), torch.randn(8, 16),
+                                         torch.randn(8, 16))
+    assert not issues_ahead(gm, OPTIONS)
+    result = prefetch_gathers_pass(gm, OPTIONS)
+    assert result.rewritten == [] and issues_ahead(gm, OPTIONS)
+    with pytest.raises(UnrewrittenCollectiveError) as err:
+        check_all_rewritten(gm, [result], phase="forward")
+    assert "keeps 1 collective(s)" in str(err.value), str(err.value)  # the first gather only
+
+
+def test_one_cast_gathered_over_two_groups_moves_once():
+    """A parameter cast once and gathered over two groups: the cast moves up with the first
+    gather only (a second move would put it below the first gather); the graph stays valid."""
+    def f(x, a, b, c):
+        wa, wb = _gather(a, "dp"), _gather(b, "tp")
+        y = torch.tanh(x @ wa.t()) + torch.tanh(x @ wb.t())
+        pc = c.bfloat16()
+        return (y @ _gather(pc, "dp").float().t()) + (y @ _gather(pc, "tp").float().t())
+
+    args = (torch.randn(4, 16),) + tuple(torch.randn(8, 16) for _ in range(3))
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    result = prefetch_gathers_pass(gm, OPTIONS)
+    gm.graph.lint()
+    assert len(result.rewritten) == 1, result.summary()
+    assert any("moves up with another gather" in s.reason for s in result.skipped), \
+        result.summary()
+
+
+def test_a_group_that_cannot_be_read_or_a_subgraph_is_not_crossed():
+    """A communication op whose group is an object, not a name (as under
+    ``TORCH_DISTRIBUTED_COMPILE_ON_ONE_RANK``), and a higher-order op (its subgraph may
+    communicate) count as the gather's own group: no move crosses them."""
+    for between in ("group object", "subgraph"):
+        graph = torch.fx.Graph()
+        x, a, b, group = (graph.placeholder(n) for n in ("x", "a", "b", "group"))
+        wa = graph.call_function(WAIT, (graph.call_function(AG, (a, 2, "dp")),))
+        y = graph.call_function(torch.ops.aten.mm.default, (x, wa))
+        if between == "group object":
+            graph.call_function(RS, (y, "sum", 2, group))
+        else:
+            graph.call_function(torch.ops.higher_order.invoke_subgraph, (None, "sub", y))
+        gb = graph.call_function(AG, (b, 2, "dp"))
+        graph.output(graph.call_function(torch.ops.aten.mm.default,
+                                         (y, graph.call_function(WAIT, (gb,)))))
+        gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        result = prefetch_gathers_pass(gm, OPTIONS)
+        assert result.rewritten == [], (between, result.summary())
+        assert any("would cross" in s.reason for s in result.skipped), (between, result.summary())

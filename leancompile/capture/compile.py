@@ -53,14 +53,12 @@ def _compiled(graph, phase, compiler, graph_pass):
     from torch._inductor.fx_passes.post_grad import view_to_reshape
     from torch._inductor.virtualized import V
 
-    from ..passes import inductor_config_patches
+    from ..passes import inductor_patches
 
     fakes = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"]
     fake_mode = next((v.fake_mode for v in fakes if hasattr(v, "fake_mode")), None)
     hits = counters["inductor"]["fxgraph_cache_hit"]
-    with V.set_fake_mode(fake_mode), inductor_config.patch(
-            post_grad_custom_pre_pass=graph_pass,
-            **inductor_config_patches(graph_pass.options)):
+    with V.set_fake_mode(fake_mode), inductor_config.patch(inductor_patches(graph_pass)):
         out = compile_fx_inner(graph, fakes, is_backward=phase == "backward",
                                is_inference=phase == "inference")
     if counters["inductor"]["fxgraph_cache_hit"] > hits:

@@ -21,7 +21,8 @@ from .lean_grpo import lean_grpo_pass
 from .prefetch_gathers import prefetch_gathers_pass
 from .result import PassResult, Site
 
-__all__ = ["PassSpec", "PASSES", "pass_names", "inductor_config_patches", "canonicalize_pass", "flash_overlap_pass",
+__all__ = ["PassSpec", "PASSES", "pass_names", "inductor_config_patches", "inductor_patches",
+           "issues_ahead", "canonicalize_pass", "flash_overlap_pass",
            "lean_grpo_pass", "prefetch_gathers_pass", "gather_at_use_pass", "bucket_collectives_pass", "PassResult", "Site",
            "flash_overlap"]
 # (flash_overlap: the old import path of flash/, readable as leancompile.passes.flash_overlap
@@ -92,13 +93,41 @@ def _runs(name: str, options) -> bool:
 
 
 def inductor_config_patches(options) -> dict:
-    """The Inductor settings a compile with ``options`` needs for what the passes arrange to
-    survive Inductor's scheduling: ``reorder_for_peak_memory`` off where a pass issues
-    collectives ahead of their use (``prefetch_gathers``; buckets after ``gather_at_use``).
-    That reordering (on by default in torch 2.13) moves every collective down to right before
-    its wait, to allocate its output late, which undoes any issuing ahead; torchtitan's
-    graph_trainer turns it off for the same reason. The overlap schedules' own order does not
-    depend on it (``runtime/p2p.py``: their waits depend on the compute they overlap)."""
+    """The Inductor settings under which what the passes arrange survives Inductor's
+    scheduling, for a compile with ``options`` where any graph may need them
+    (``install()`` sets them while installed): ``reorder_for_peak_memory`` off where a pass
+    issues collectives ahead of their use (``prefetch_gathers``; buckets after
+    ``gather_at_use``). That reordering (on by default in torch 2.13) moves every collective
+    down to right before its wait, to allocate its output late, which undoes any issuing
+    ahead; torchtitan's graph_trainer turns it off for the same reason. The overlap schedules'
+    own order does not depend on it (``runtime/p2p.py``: their waits depend on the compute they
+    overlap). ``backend()`` and ``lean_compile`` turn it off per graph instead, only for the
+    graphs ``issues_ahead`` finds."""
     ahead = _runs(prefetch_gathers.NAME, options) or (
         options.gather_at_use and _runs(bucket_collectives.NAME, options))
     return {"reorder_for_peak_memory": False} if ahead else {}
+
+
+def issues_ahead(gm, options) -> bool:
+    """Whether ``gm`` (after the passes) issues a collective ahead of its use on purpose: a
+    gather ``prefetch_gathers`` placed one ahead (moved, or found in place), or a bucket
+    issued one ahead after ``gather_at_use``."""
+    for node in gm.graph.nodes:
+        if prefetch_gathers.META_KEY in node.meta:
+            return True
+        if options.gather_at_use and node.target is bucket_collectives.ALL_GATHER and \
+                bucket_collectives.META_KEY in node.meta:
+            return True
+    return False
+
+
+def inductor_patches(graph_pass) -> dict:
+    """Inductor config patches for a compile running ``graph_pass`` (a
+    ``compiler.LeanGraphPass``): the pass in Inductor's custom slot, and
+    ``reorder_for_peak_memory`` at its current value, so that a graph that turns it off
+    (``issues_ahead``; ``LeanGraphPass.tunes_inductor``) does so for its own compile only."""
+    import torch
+
+    graph_pass.tunes_inductor = True
+    return {"post_grad_custom_pre_pass": graph_pass,
+            "reorder_for_peak_memory": torch._inductor.config.reorder_for_peak_memory}

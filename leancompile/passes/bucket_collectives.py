@@ -53,9 +53,9 @@ after ``gather_at_use`` (``CompileOptions(gather_at_use=True)``), which puts eac
 gather at its first reader, a gathered bucket is issued right after the previous gathered
 bucket of its group is unpacked (or after a later input), one bucket ahead as FSDP2
 prefetches: while one bucket's layers compute, the next bucket's transfer runs, and no more
-than two buckets are gathered at once (under Inductor such a compile runs with
+than two buckets are gathered at once (under Inductor such a graph is compiled with
 ``reorder_for_peak_memory`` off, which would issue each bucket at its wait:
-``passes.inductor_config_patches``). It never goes above a collective or another node with an
+``passes.issues_ahead``). It never goes above a collective or another node with an
 effect that came before its first member (the graph's communication keeps its order), nor
 above its inputs (a cast computed at its use keeps the bucket there). A collective joins the
 open bucket of its kind, process group, dtype and reduction only if its input exists before

@@ -38,8 +38,9 @@ waited on before the previous gather, a move that would cross a collective of it
 an activation's gather, a schedule's piece).
 
 Under Inductor: its ``reorder_for_peak_memory`` (on by default) moves every collective down to
-right before its wait, which would undo this; a compile where this pass runs turns it off
-(``passes.inductor_config_patches``).
+right before its wait, which would undo this; a graph with a gather this pass placed (or found)
+one ahead turns it off for its own compile (``passes.issues_ahead``, ``passes.inductor_patches``;
+``install()``: for every compile while installed).
 
 Legal, and every rank agrees: a moved gather's inputs are graph inputs, or pure ops over them
 that move with it, so they still come first; its wait stays where it was, and comes after the
@@ -90,6 +91,8 @@ class Prefetch:
     gather: fx.Node
     chain: list[fx.Node]
     after: fx.Node
+    in_place: bool = False
+    """Already right after ``after``: nothing moves; tagged as issued ahead."""
 
 
 def _input_chain(node) -> list[fx.Node] | None:
@@ -106,8 +109,9 @@ def _input_chain(node) -> list[fx.Node] | None:
 
 
 def find_prefetches(gm: fx.GraphModule, result: PassResult) -> list[Prefetch]:
-    """The graph-input gathers to issue one gather ahead (module docstring), in graph order;
-    every other all-gather goes to ``result`` with its reason."""
+    """The graph-input gathers to issue one gather ahead (module docstring): the moves, then
+    those already in place (``in_place``, also reported skipped); every other all-gather goes
+    to ``result`` with its reason."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     groups: dict[tuple, list[tuple[fx.Node, list[fx.Node], fx.Node]]] = {}
@@ -133,7 +137,7 @@ def find_prefetches(gm: fx.GraphModule, result: PassResult) -> list[Prefetch]:
             continue
         groups.setdefault((node.args[1], node.args[2]), []).append(
             (node, chain, min(waits, key=pos.__getitem__)))
-    found = []
+    found, in_place, claimed = [], [], set()
     for (_, name), gathers in groups.items():
         listed = {g for g, _, _ in gathers}
         moves, at = [], {}  # at: where each of the group's gathers is issued after the moves
@@ -153,13 +157,13 @@ def find_prefetches(gm: fx.GraphModule, result: PassResult) -> list[Prefetch]:
             moving = [n for n in chain if pos[n] > pos[previous]]
             if all(pos[n] == pos[previous] + 1 + i for i, n in enumerate([*moving, node])):
                 result.skip(node, KIND, f"already right after the previous gather's wait "
-                                        f"({previous.name})")
+                                        f"({previous.name}): issued one ahead as it is")
+                in_place.append(Prefetch(gather=node, chain=[], after=previous, in_place=True))
                 continue
-            shared = [n for n in moving if len(n.users) > 1]
-            if shared:
-                result.skip(node, KIND, f"its input's {shared[0].name} is read by other nodes "
-                                        "too, and would have to move up with it: left where it "
-                                        "is")
+            shared = [n for n in moving if n in claimed]
+            if shared:  # one input gathered twice: it moves with the first gather only
+                result.skip(node, KIND, f"its input {shared[0].name} moves up with another "
+                                        "gather: left where it is")
                 continue
             low, high = sorted((pos[node], pos[previous]))
             crossed = [n for n in nodes[low + 1:high] if n not in listed and _of_group(n, name)]
@@ -169,6 +173,7 @@ def find_prefetches(gm: fx.GraphModule, result: PassResult) -> list[Prefetch]:
                                         "each group's communication keeps its order")
                 continue
             moves.append(Prefetch(gather=node, chain=moving, after=previous))
+            claimed.update(moving)
             at[node] = pos[previous] + 0.5
         order = [g for g, _, _ in gathers]
         if sorted(order, key=at.__getitem__) != order:
@@ -180,24 +185,40 @@ def find_prefetches(gm: fx.GraphModule, result: PassResult) -> list[Prefetch]:
                                                "where it is): left where it is")
             continue
         found += moves
-    return found
+    return found + in_place
 
 
 def _of_group(node: fx.Node, name: str) -> bool:
-    """A communication op (collective, point-to-point step) given group ``name``."""
-    if node.op != "call_function" or getattr(node.target, "namespace", None) not in \
-            ANY_COMMUNICATION_NAMESPACES or node.target is WAIT:
+    """Whether ``node`` may issue communication on group ``name``: a communication op given
+    that name, or one whose group is not a name (a process group object, as under
+    ``TORCH_DISTRIBUTED_COMPILE_ON_ONE_RANK``), or a higher-order op (a subgraph may hold
+    collectives). Waits issue nothing."""
+    if node.op != "call_function":
         return False
-    return any(arg == name for arg in (*node.args, *node.kwargs.values())
-               if isinstance(arg, str))
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return True
+    if getattr(node.target, "namespace", None) not in ANY_COMMUNICATION_NAMESPACES or \
+            "wait" in str(node.target):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        if arg.name in ("group_name", "group"):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            return not isinstance(value, str) or value == name
+    # no group argument: an op of these namespaces that does not communicate (an attention
+    # backward of vmap_ops.py), or one whose group it does not say (in-place c10d ops take a
+    # process group object): only the latter counts
+    return getattr(node.target, "namespace", None) != "leancompile"
 
 
 def move_prefetch(prefetch: Prefetch) -> None:
-    """Move the gather (after its moving chain) to right after ``prefetch.after``."""
-    at = prefetch.after
-    for node in [*prefetch.chain, prefetch.gather]:
-        at.append(node)
-        at = node
+    """Move the gather (after its moving chain) to right after ``prefetch.after``, and tag it
+    (``META_KEY``: read by ``strict=True`` and ``passes.issues_ahead``)."""
+    if not prefetch.in_place:
+        at = prefetch.after
+        for node in [*prefetch.chain, prefetch.gather]:
+            at.append(node)
+            at = node
     prefetch.gather.meta[META_KEY] = prefetch.after.name
 
 
@@ -206,9 +227,10 @@ def prefetch_gathers_pass(gm: fx.GraphModule, options) -> PassResult:
     prefetches = find_prefetches(gm, result)
     for prefetch in prefetches:
         move_prefetch(prefetch)
-        result.rewrite(prefetch.gather, f"{KIND} issued after the previous gather's wait "
-                                        f"({prefetch.after.name})")
-    if prefetches:
+        if not prefetch.in_place:  # (an in-place one is reported skipped, with why)
+            result.rewrite(prefetch.gather, f"{KIND} issued after the previous gather's wait "
+                                            f"({prefetch.after.name})")
+    if any(not p.in_place for p in prefetches):
         gm.graph.lint()
         recompile(gm)
     return result

@@ -271,9 +271,13 @@ def hoist(node: fx.Node, anchor: fx.Node, order: dict) -> None:
         return
     gather = _movable_gather(node, anchor, order)
     if gather is not None:
-        for arg in gather.all_input_nodes:
-            hoist(arg, anchor, order)
-        for moved in (gather, node):
+        if order[gather] < order[anchor]:  # issued before: the wait alone moves up
+            moving = (node,)
+        else:
+            moving = (gather, node)
+            for arg in gather.all_input_nodes:
+                hoist(arg, anchor, order)
+        for moved in moving:
             anchor.prepend(moved)
             order[moved] = order[anchor] - 0.5
         return
@@ -288,7 +292,8 @@ def hoist(node: fx.Node, anchor: fx.Node, order: dict) -> None:
 def _movable_gather(node: fx.Node, anchor: fx.Node, order: dict) -> fx.Node | None:
     """The all-gather ``node`` waits for, when ``node`` is its only reader's ``wait_tensor`` and
     every node from ``anchor`` to ``node`` (the gather aside) is pure, so that moving the pair
-    before ``anchor`` crosses no collective and no effect; else None."""
+    before ``anchor`` (or the wait alone, for a gather issued before ``anchor``) crosses no
+    collective and no effect; else None."""
     if node.op != "call_function" or node.target is not _c10d.wait_tensor.default:
         return None
     gather = node.args[0]
