@@ -271,11 +271,17 @@ def _worker(rank, init_file, out_dir, cases):
     _run_cases(rank, init_file, out_dir, cases, run_case)
 
 
+def _records(tmp_path_factory, name, worker, nprocs=2, extra=()):
+    """``worker(rank, init_file, out_dir, *extra)`` on ``nprocs`` spawned ranks; each rank's
+    record (``_run_cases``)."""
+    out = tmp_path_factory.mktemp(name)
+    spawn(worker, args=(str(out / "init"), str(out), *extra), nprocs=nprocs, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("torchtitan")
-    spawn(_worker, args=(str(out / "init"), str(out), CASES), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return _records(tmp_path_factory, "torchtitan", _worker, extra=(CASES,))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
@@ -364,9 +370,7 @@ def _fsdp_worker(rank, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def fsdp_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("simple_fsdp")
-    spawn(_fsdp_worker, args=(str(out / "init"), str(out)), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return _records(tmp_path_factory, "simple_fsdp", _fsdp_worker)
 
 
 @pytest.mark.parametrize("case", FSDP_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
@@ -491,9 +495,7 @@ def _mesh_worker(rank, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def mesh_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mesh_2d")
-    spawn(_mesh_worker, args=(str(out / "init"), str(out)), nprocs=4, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    return _records(tmp_path_factory, "mesh_2d", _mesh_worker, nprocs=4)
 
 
 @pytest.mark.parametrize("case", MESH_CASES, ids=lambda c: f"{c[0]}-{c[1]}")

@@ -58,6 +58,7 @@ from .flash.splice import SITE_META
 from .result import PassResult, is_pure_op, recompile
 
 __all__ = ["gather_at_use_pass", "find_gathers_to_move", "move_gather", "GatherMove",
+           "graph_input_gather", "input_chain",
            "NAME", "VERSION", "peak_gathered_bytes"]
 
 NAME = "gather_at_use"
@@ -72,11 +73,39 @@ KIND = "all_gather"
 _pure = is_pure_op
 
 
-def _graph_input(node) -> fx.Node | None:
-    """The placeholder ``node`` is computed from through pure single-input ops, or None."""
-    while isinstance(node, fx.Node) and _pure(node) and len(node.all_input_nodes) == 1:
+def input_chain(node) -> list[fx.Node] | None:
+    """The pure single-input ops from a graph input to ``node`` (``node`` last; ``[]`` when
+    ``node`` is the graph input), or None when ``node`` is not computed that way."""
+    chain = []
+    while isinstance(node, fx.Node) and node.op == "call_function" and _pure(node) \
+            and len(node.all_input_nodes) == 1:
+        chain.append(node)
         node = node.all_input_nodes[0]
-    return node if isinstance(node, fx.Node) and node.op == "placeholder" else None
+    if not (isinstance(node, fx.Node) and node.op == "placeholder"):
+        return None
+    return chain[::-1]
+
+
+def graph_input_gather(node: fx.Node, result: PassResult, kind: str):
+    """``(input chain, waits)`` of an all-gather of a graph input (``input_chain``) read only
+    through ``wait_tensor``; else None, with the reason in ``result`` (a piece of an overlap
+    schedule, an activation's gather, a result read before its wait). The test both gather
+    passes (this one, ``prefetch_gathers``) put a gather through."""
+    if SITE_META in node.meta:
+        result.skip(node, kind, f"a piece of the overlap pass's schedule for "
+                                f"{node.meta[SITE_META]}")
+        return None
+    chain = input_chain(node.args[0])
+    if chain is None:
+        result.skip(node, kind, "gathers a value the graph computes (an activation), "
+                                "not a graph input: it stays where that value is made")
+        return None
+    waits = list(node.users)
+    if not waits or any(w.target is not WAIT for w in waits):
+        result.skip(node, kind, "its result is read before a wait_tensor (or never "
+                                "waited on)")
+        return None
+    return chain, waits
 
 
 @dataclass
@@ -116,19 +145,10 @@ def find_gathers_to_move(gm: fx.GraphModule, result: PassResult) -> list[GatherM
     for node in nodes:
         if node.op != "call_function" or node.target is not ALL_GATHER:
             continue
-        if SITE_META in node.meta:
-            result.skip(node, KIND, f"a piece of the overlap pass's schedule for "
-                                    f"{node.meta[SITE_META]}")
+        found = graph_input_gather(node, result, KIND)
+        if found is None:
             continue
-        if _graph_input(node.args[0]) is None:
-            result.skip(node, KIND, "gathers a value the graph computes (an activation), "
-                                    "not a graph input: it stays where that value is made")
-            continue
-        waits = list(node.users)
-        if not waits or any(w.target is not WAIT for w in waits):
-            result.skip(node, KIND, "its result is read before a wait_tensor (or never "
-                                    "waited on)")
-            continue
+        waits = found[1]
         # The nodes computed from this gather's result alone (views, casts, transposes).
         own, frontier = set(waits), list(waits)
         while frontier:

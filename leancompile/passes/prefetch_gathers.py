@@ -66,8 +66,8 @@ import torch
 import torch.fx as fx
 
 from ..runtime.namespaces import ANY_COMMUNICATION_NAMESPACES
-from .flash.splice import SITE_META
-from .result import PassResult, is_pure_op, recompile
+from .gather_at_use import graph_input_gather
+from .result import PassResult, recompile
 
 __all__ = ["prefetch_gathers_pass", "find_prefetches", "move_prefetch", "Prefetch", "NAME",
            "VERSION", "META_KEY"]
@@ -95,19 +95,6 @@ class Prefetch:
     """Already right after ``after``: nothing moves; tagged as issued ahead."""
 
 
-def _input_chain(node) -> list[fx.Node] | None:
-    """The pure single-input ops from a graph input to ``node`` (``node`` last; ``[]`` when
-    ``node`` is the graph input), or None when ``node`` is not computed that way."""
-    chain = []
-    while isinstance(node, fx.Node) and node.op == "call_function" and is_pure_op(node) \
-            and len(node.all_input_nodes) == 1:
-        chain.append(node)
-        node = node.all_input_nodes[0]
-    if not (isinstance(node, fx.Node) and node.op == "placeholder"):
-        return None
-    return chain[::-1]
-
-
 def find_prefetches(gm: fx.GraphModule, result: PassResult) -> list[Prefetch]:
     """The graph-input gathers to issue one gather ahead (module docstring): the moves, then
     those already in place (``in_place``, also reported skipped); every other all-gather goes
@@ -118,23 +105,13 @@ def find_prefetches(gm: fx.GraphModule, result: PassResult) -> list[Prefetch]:
     for node in nodes:
         if node.op != "call_function" or node.target is not ALL_GATHER:
             continue
-        if SITE_META in node.meta:
-            result.skip(node, KIND, f"a piece of the overlap pass's schedule for "
-                                    f"{node.meta[SITE_META]}")
+        gathered = graph_input_gather(node, result, KIND)
+        if gathered is None:
             continue
         if len(node.args) < 3:
             result.skip(node, KIND, "its group is not given positionally (group size, name)")
             continue
-        waits = list(node.users)
-        if not waits or any(w.target is not WAIT for w in waits):
-            result.skip(node, KIND, "its result is read before a wait_tensor (or never "
-                                    "waited on)")
-            continue
-        chain = _input_chain(node.args[0])
-        if chain is None:
-            result.skip(node, KIND, "gathers a value the graph computes (an activation), not "
-                                    "a graph input: it cannot be issued before that value")
-            continue
+        chain, waits = gathered
         groups.setdefault((node.args[1], node.args[2]), []).append(
             (node, chain, min(waits, key=pos.__getitem__)))
     found, in_place, claimed = [], [], set()
