@@ -593,3 +593,35 @@ def test_sliced_matmul_reduce_scatter_equals_matmul_then_reduce_scatter(gloo_run
 @pytest.mark.parametrize("gloo_run", [2], indirect=True, ids=["2ranks"])
 def test_compiled_aot_eager_fullgraph_equals_eager(gloo_run):
     _check(gloo_run, "compiled", 1)  # run by the 2-rank job only (compile time)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_causal_attention_slices_are_the_whole_attentions_rows_bitwise(dtype):
+    """``AttentionRows`` (the query-split attention inside a reduce-scatter schedule): each
+    causal slice of queries, handed the whole attention's blocks of keys with its rows of the
+    mask (``slice_keys``), gives exactly the whole attention's rows, output and log-sum-exp, on
+    torch's CPU kernel. Handed only the keys its span reaches (the earlier form), a row differs
+    at most of these lengths: the kernel's blocking and vector reductions follow the key count
+    (found measuring the bf16 split on torchtitan's Llama3). Lengths below, at and above one
+    key block (512)."""
+    from leancompile.runtime.attention_rows import KEY_BLOCK, AttentionRows, slice_keys
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert (slice_keys(8, 16), slice_keys(600, 1536), slice_keys(1100, 1536)) == (
+        16, 2 * KEY_BLOCK, 1536)
+    torch.manual_seed(0)
+    for seq in (16, 48, 100, 600, 1536):
+        q, k, v = (torch.randn(1, 2, seq, 16).to(dtype) for _ in range(3))
+        whole = op(q, k, v, 0.0, True)
+        for n in (2, 4):
+            # the rows along dim 2 of the attention's output itself (no layout chain)
+            rows = AttentionRows(op, q, k, v, (0.0, True), {}, lambda out, ql: out, q.shape, 2,
+                                 causal=True)
+            length = seq // n
+            for i in range(n):
+                start = i * length
+                assert torch.equal(rows.narrow(2, start, length),
+                                   whole[0][:, :, start:start + length]), (seq, n, i)
+            # what the backward saves: the output and the log-sum-exp, put together
+            out, lse = rows.assembled(whole[:2])
+            assert torch.equal(out, whole[0]) and torch.equal(lse, whole[1]), (seq, n)

@@ -9,7 +9,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionRows", "cat_like"]
+__all__ = ["AttentionRows", "cat_like", "slice_keys", "KEY_BLOCK"]
+
+KEY_BLOCK = 512
+"""The block of keys torch's CPU attention kernel (``_scaled_dot_product_flash_attention_for_cpu``,
+torch 2.13's ``FlashAttentionKernel.cpp``) walks in, or all the keys when fewer. A query row's
+result depends on that partition (the kernel's blocking and vector reductions follow the key
+count): measured on the kernel alone, bf16 and fp32, a row handed only the keys its causal span
+reaches differs from the whole attention's row at most sequence lengths (16, 48, 100, 512 split
+in 2 or 4), while one handed the whole attention's blocks of keys with its rows of the mask is
+bitwise at every length tried (16 to 2048)."""
+
+
+def slice_keys(reach: int, seq: int) -> int | None:
+    """How many keys a causal slice of queries whose last query sees ``reach`` keys (of
+    ``seq``) is handed: the whole attention's blocks of ``KEY_BLOCK`` keys that hold them
+    (all ``seq`` keys up to one block), so that the kernel partitions them as it does for the
+    whole attention; the keys past ``reach`` are masked. None for symbolic sizes."""
+    if not (isinstance(reach, int) and isinstance(seq, int)):
+        return None
+    if seq <= KEY_BLOCK:
+        return seq
+    return min(seq, -(-reach // KEY_BLOCK) * KEY_BLOCK)
 
 
 class AttentionRows:
@@ -71,14 +92,19 @@ class AttentionRows:
 
     def _slice_attention(self, q: Tensor, k: Tensor, v: Tensor, q0: int, ql: int):
         """The attention of queries ``q0 .. q0 + ql``. Causal: they see the keys up to the
-        last of them, the first slice through the kernel's own causal mask (a square one),
-        the others through their rows of it as an additive mask."""
+        last of them, through their rows of the causal mask as an additive mask, handed as
+        many keys as keep the kernel's blocks of keys those of the whole attention
+        (``slice_keys``), so each row is bitwise the whole attention's row."""
         if not self._causal:
             return self._attention(q, k, v, *self._args, **self._kwargs)
-        keys = q0 + ql
-        k, v = k.narrow(2, 0, keys), v.narrow(2, 0, keys)
-        if q0 == 0:
-            return self._attention(q, k, v, *self._args, **self._kwargs)
+        keys = slice_keys(q0 + ql, self._seq)
+        if keys is None:  # symbolic sizes: the keys its span reaches (within rounding)
+            keys = q0 + ql
+            k, v = k.narrow(2, 0, keys), v.narrow(2, 0, keys)
+            if q0 == 0:
+                return self._attention(q, k, v, *self._args, **self._kwargs)
+        elif keys != self._seq:
+            k, v = k.narrow(2, 0, keys), v.narrow(2, 0, keys)
         seen = torch.ones(ql, keys, dtype=torch.bool, device=q.device).tril(q0)
         mask = torch.zeros(ql, keys, dtype=q.dtype, device=q.device).masked_fill(
             seen.logical_not(), float("-inf"))

@@ -40,8 +40,8 @@ class AttentionRowsMatch:
     """The scattered dim holds (batch, query) pairs, batch-major (``[B*S, ...]`` rows)."""
     causal: bool = False
     """``is_causal=True`` (queries and keys of one length): a slice attends to the keys up to
-    its last query, the first slice with the kernel's own causal mask, the others with the
-    slice's part of it as an additive mask."""
+    its last query, through its rows of the causal mask as an additive mask, over the whole
+    attention's blocks of keys (``runtime/attention_rows.slice_keys``)."""
 
 
 def match_attention_rows(h: fx.Node, shape: tuple, dim: int, slices: int

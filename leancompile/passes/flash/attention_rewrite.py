@@ -19,8 +19,11 @@ grows by the attention's share, and the first partial is sent after 1/N of the a
 Legal because every query row attends to all keys and values on its own: a slice of queries
 gives those rows of the output (and of the log-sum-exp); without a causal mask the attention's
 FLOPs are unchanged (every slice reads the keys and values whole). With ``is_causal`` (queries
-and keys of one length) a slice reads the keys up to its last query: the first slice runs the
-kernel's own causal mask, the others their rows of it as an additive mask (0 or -inf).
+and keys of one length) a slice attends to the keys up to its last query through its rows of the
+causal mask as an additive mask (0 or -inf), handed the whole attention's blocks of keys (all of
+them up to 512; ``runtime/attention_rows.slice_keys``): the CPU kernel's result for a row
+depends on how many keys it is handed, and with the same blocks a causal slice's rows are
+bitwise the whole attention's.
 
 Numerically, the CPU kernel blocks its work by the number of queries (and keys) it is given, so
 a slice's rows can differ from the whole attention's in the last bits: measured here bitwise
