@@ -69,7 +69,7 @@ class Pipeline:
             dump_dir.mkdir(parents=True, exist_ok=True)
         results: list[PassResult] = []
         for i, spec in enumerate(self.specs):
-            if spec.name in self.options.disable or not spec.active(self.options):
+            if not spec.runs(self.options):
                 results.append(PassResult(name=spec.name, disabled=True))
                 continue
             if dump_dir is not None:

@@ -22,9 +22,9 @@ from .prefetch_gathers import prefetch_gathers_pass
 from .result import PassResult, Site
 
 __all__ = ["PassSpec", "PASSES", "pass_names", "inductor_config_patches", "inductor_patches",
-           "issues_ahead", "canonicalize_pass", "flash_overlap_pass",
-           "lean_grpo_pass", "prefetch_gathers_pass", "gather_at_use_pass", "bucket_collectives_pass", "PassResult", "Site",
-           "flash_overlap"]
+           "issues_ahead", "canonicalize_pass", "flash_overlap_pass", "lean_grpo_pass",
+           "prefetch_gathers_pass", "gather_at_use_pass", "bucket_collectives_pass",
+           "PassResult", "Site", "flash_overlap"]
 # (flash_overlap: the old import path of flash/, readable as leancompile.passes.flash_overlap
 # as before)
 
@@ -43,6 +43,10 @@ class PassSpec:
     active: Callable[..., bool] = lambda options: True
     """Whether the options turn the pass on (an opt-in pass that is off is reported as
     disabled and not run)."""
+
+    def runs(self, options) -> bool:
+        """Whether a pipeline with ``options`` runs this pass: on, and not ``disable``d."""
+        return self.name not in options.disable and self.active(options)
 
 
 # Order matters: canonicalisation first, so every later matcher sees one spelling.
@@ -88,8 +92,7 @@ def pass_names() -> tuple[str, ...]:
 
 
 def _runs(name: str, options) -> bool:
-    spec = next(s for s in PASSES if s.name == name)
-    return name not in options.disable and spec.active(options)
+    return next(s for s in PASSES if s.name == name).runs(options)
 
 
 def inductor_config_patches(options) -> dict:

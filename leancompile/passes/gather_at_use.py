@@ -53,9 +53,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..runtime.namespaces import COMMUNICATION_NAMESPACES
 from .flash.splice import SITE_META
-from .result import PassResult, is_pure_op, recompile
+from .result import PassResult, is_barrier, is_pure_op, recompile
 
 __all__ = ["gather_at_use_pass", "find_gathers_to_move", "move_gather", "GatherMove",
            "graph_input_gather", "input_chain",
@@ -120,21 +119,6 @@ class GatherMove:
     before: fx.Node | None = None
 
 
-def _barrier(node: fx.Node) -> bool:
-    """A node no gather moves past: a node with an effect (a collective or its wait, the
-    overlap pass's point-to-point steps and probes, a mutation, a random draw, a higher-order
-    op). Arithmetic on sizes (``operator.mul`` of symbolic ints) and pure ops are not."""
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return True
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    return target.namespace in COMMUNICATION_NAMESPACES or target._schema.is_mutable or \
-        torch.Tag.nondeterministic_seeded in target.tags
-
-
 def find_gathers_to_move(gm: fx.GraphModule, result: PassResult) -> list[GatherMove]:
     """The all-gathers of graph inputs that can move closer to their first reader (module
     docstring), each with the node to move before; every other all-gather goes to ``result``
@@ -175,7 +159,7 @@ def find_gathers_to_move(gm: fx.GraphModule, result: PassResult) -> list[GatherM
         if node in moving:
             if node.target is ALL_GATHER:
                 staying_after[node] = nxt
-        elif _barrier(node):
+        elif is_barrier(node):
             nxt = node
     kept: list[GatherMove] = []
     # (position, node) of the next gather once moved: right before the node it moves before,

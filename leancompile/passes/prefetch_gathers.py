@@ -48,9 +48,10 @@ new place (a gather waited on before the previous one is left alone), so every r
 gathered weight still comes after it. A move never crosses a collective or point-to-point step
 of the gather's own group, and the group's gathers keep their order, so every rank issues each
 group's communication in the same order; moves cross other groups' communication (the TP
-schedules), and only issues move, never waits. Where each gather goes is read from the order of the graph's
-communication alone, not from sizes or compute, so every rank, and the forward and inference
-graphs of one step (same communication, same order), move the same gathers to the same place.
+schedules), and only issues move, never waits. Where each gather goes is read from the order of
+the graph's communication (and which gathers read one input), not from sizes or compute, so
+every rank, and the forward and inference graphs of one step (same communication, same order),
+move the same gathers to the same place.
 Values are unchanged bit for bit: only when a transfer starts changes.
 
 Memory: a gathered weight exists from its gather's issue (where an asynchronous backend
@@ -76,7 +77,8 @@ NAME = "prefetch_gathers"
 VERSION = 1
 KIND = "all_gather"
 META_KEY = "leancompile_prefetched"
-"""``meta`` key of a moved gather: the wait it now comes right after."""
+"""``meta`` key of a gather placed one ahead (moved, or found in place): the wait it comes
+right after."""
 
 _c10d = torch.ops._c10d_functional
 ALL_GATHER = _c10d.all_gather_into_tensor.default

@@ -7,7 +7,7 @@ import contextvars
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..runtime.namespaces import COMMUNICATION_NAMESPACES
+from ..runtime.namespaces import ANY_COMMUNICATION_NAMESPACES, COMMUNICATION_NAMESPACES
 
 __all__ = ["Site", "PassResult", "recompile", "recompile_deferred", "format_bytes",
            "COMMUNICATION_NAMESPACES"]
@@ -44,6 +44,24 @@ def is_pure_op(node) -> bool:
     if target.namespace not in ("aten", "prims") or target._schema.is_mutable:
         return False
     return torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def is_barrier(node) -> bool:
+    """A node no collective is moved past: a node with an effect (a collective or its wait,
+    the overlap pass's point-to-point steps and probes, a mutation, a random draw, a
+    higher-order op, whose subgraph may hold any of these). Arithmetic on sizes
+    (``operator.mul`` of symbolic ints) and pure ops are not."""
+    import torch
+
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return target.namespace in ANY_COMMUNICATION_NAMESPACES or target._schema.is_mutable or \
+        torch.Tag.nondeterministic_seeded in target.tags
 
 
 def format_bytes(n: int) -> str:

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ...runtime.namespaces import ANY_COMMUNICATION_NAMESPACES
+from ..result import is_barrier
 from .vocabulary import METADATA, RESHAPES, node_val, shape_of
 
 __all__ = ["SITE_META", "Unsupported", "bind_symbolic_sizes", "detach_metadata_readers",
@@ -258,10 +258,11 @@ def inline(graph: fx.Graph, sub: fx.Graph, inputs: list, before: fx.Node, site: 
 def hoist(node: fx.Node, anchor: fx.Node, order: dict) -> None:
     """Move ``node`` (and what it needs) before ``anchor`` if it comes after it. Pure nodes are
     moved (the weights' transposes, reshapes), and one kind of effect: the wait of an
-    all-gather issued after ``anchor`` with only pure nodes between the two (``_movable_gather``:
-    a second weight of one schedule, gathered by FSDP after the first matmul). The gather and
-    its wait move up together, past pure nodes only, so the graph's collectives keep their
-    order, and the gather is issued earlier (a prefetch)::
+    all-gather with no effect (``result.is_barrier``) between ``anchor`` and it
+    (``_movable_gather``: a second weight of one schedule, gathered by FSDP after the first
+    matmul). A gather issued after ``anchor`` moves up with its wait, past such nodes only, so
+    the graph's collectives keep their order, and the gather is issued earlier (a prefetch);
+    one issued before ``anchor`` stays, and its wait alone moves::
 
         y1 = mm(x, w1)                          g = all_gather(w2_r); w2 = wait(g)
         g = all_gather(w2_r); w2 = wait(g)  ->  y1 = mm(x, w1)   (the schedule, reading w2)
@@ -291,7 +292,7 @@ def hoist(node: fx.Node, anchor: fx.Node, order: dict) -> None:
 
 def _movable_gather(node: fx.Node, anchor: fx.Node, order: dict) -> fx.Node | None:
     """The all-gather ``node`` waits for, when ``node`` is its only reader's ``wait_tensor`` and
-    every node from ``anchor`` to ``node`` (the gather aside) is pure, so that moving the pair
+    no node from ``anchor`` to ``node`` (the gather aside) has an effect, so that moving the pair
     before ``anchor`` (or the wait alone, for a gather issued before ``anchor``) crosses no
     collective and no effect; else None."""
     if node.op != "call_function" or node.target is not _c10d.wait_tensor.default:
@@ -302,9 +303,7 @@ def _movable_gather(node: fx.Node, anchor: fx.Node, order: dict) -> fx.Node | No
         return None
     between = anchor.next
     while between is not node:
-        if between is not gather and (
-                between.op != "call_function" or between.is_impure()
-                or getattr(between.target, "namespace", None) in ANY_COMMUNICATION_NAMESPACES):
+        if between is not gather and is_barrier(between):
             return None
         between = between.next
     return gather
