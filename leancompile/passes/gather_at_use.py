@@ -57,7 +57,7 @@ from .flash.splice import SITE_META
 from .result import PassResult, is_barrier, is_pure_op, recompile
 
 __all__ = ["gather_at_use_pass", "find_gathers_to_move", "move_gather", "GatherMove",
-           "graph_input_gather", "input_chain",
+           "graph_input_gather", "graph_input_gathers", "input_chain",
            "NAME", "VERSION", "peak_gathered_bytes"]
 
 NAME = "gather_at_use"
@@ -83,6 +83,16 @@ def input_chain(node) -> list[fx.Node] | None:
     if not (isinstance(node, fx.Node) and node.op == "placeholder"):
         return None
     return chain[::-1]
+
+
+def graph_input_gathers(nodes, result: PassResult, kind: str):
+    """``(gather, input chain, waits)`` for each all-gather of ``nodes`` that
+    ``graph_input_gather`` takes, in order; the others go to ``result`` with their reason."""
+    for node in nodes:
+        if node.op == "call_function" and node.target is ALL_GATHER:
+            found = graph_input_gather(node, result, kind)
+            if found is not None:
+                yield node, *found
 
 
 def graph_input_gather(node: fx.Node, result: PassResult, kind: str):
@@ -126,13 +136,7 @@ def find_gathers_to_move(gm: fx.GraphModule, result: PassResult) -> list[GatherM
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     moves = []
-    for node in nodes:
-        if node.op != "call_function" or node.target is not ALL_GATHER:
-            continue
-        found = graph_input_gather(node, result, KIND)
-        if found is None:
-            continue
-        waits = found[1]
+    for node, _, waits in graph_input_gathers(nodes, result, KIND):
         # The nodes computed from this gather's result alone (views, casts, transposes).
         own, frontier = set(waits), list(waits)
         while frontier:

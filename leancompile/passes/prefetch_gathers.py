@@ -67,7 +67,7 @@ import torch
 import torch.fx as fx
 
 from ..runtime.namespaces import ANY_COMMUNICATION_NAMESPACES
-from .gather_at_use import graph_input_gather
+from .gather_at_use import graph_input_gathers
 from .result import PassResult, recompile
 
 __all__ = ["prefetch_gathers_pass", "find_prefetches", "move_prefetch", "Prefetch", "NAME",
@@ -79,10 +79,6 @@ KIND = "all_gather"
 META_KEY = "leancompile_prefetched"
 """``meta`` key of a gather placed one ahead (moved, or found in place): the wait it comes
 right after."""
-
-_c10d = torch.ops._c10d_functional
-ALL_GATHER = _c10d.all_gather_into_tensor.default
-WAIT = _c10d.wait_tensor.default
 
 
 @dataclass
@@ -104,16 +100,10 @@ def find_prefetches(gm: fx.GraphModule, result: PassResult) -> list[Prefetch]:
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     groups: dict[tuple, list[tuple[fx.Node, list[fx.Node], fx.Node]]] = {}
-    for node in nodes:
-        if node.op != "call_function" or node.target is not ALL_GATHER:
-            continue
-        gathered = graph_input_gather(node, result, KIND)
-        if gathered is None:
-            continue
+    for node, chain, waits in graph_input_gathers(nodes, result, KIND):
         if len(node.args) < 3:
             result.skip(node, KIND, "its group is not given positionally (group size, name)")
             continue
-        chain, waits = gathered
         groups.setdefault((node.args[1], node.args[2]), []).append(
             (node, chain, min(waits, key=pos.__getitem__)))
     found, in_place, claimed = [], [], set()
