@@ -798,6 +798,16 @@ def test_channels_last_convolutions_under_inductor(schedule, autocast):
     got = _conv_loop(model, step, plan, autocast)
     assert step.stats.reused_calls == (6 if schedule == "retain" else 0), step.stats.summary()
     assert _rel(got, ref) <= 1e-5, _rel(got, ref)
+    # Which saved tensors come back relaid is read from the strides Inductor reports for the
+    # forward (a backward lays out only those): the convolutions' here, none for a Linear's
+    # (a graph whose forward never ran, all its calls reused, knows nothing yet)
+    relaid = [g.saved_relaid for g in step.graphs if "forward" in g.compiled]
+    assert relaid and all(isinstance(r, frozenset) and r for r in relaid), relaid
+    if schedule == "recompute" and not autocast:
+        mlp = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        plain = leancompile.lean_compile(mlp, backend="inductor", schedule="recompute")
+        plain(torch.randn(3, 4)).sum().backward()
+        assert [g.saved_relaid for g in plain.graphs] == [frozenset()]
 
 
 def _passthrough_loop(model, fn, step, *, autocast=False, hook_between=False):

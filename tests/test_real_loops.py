@@ -265,3 +265,32 @@ def test_flow_grpo_kl_gradient_present(runs):
     assert moved > 100 * TOL[("fp32", "aot_eager")]
     got = _result(with_kl, "retain")
     assert rel_l2(got.grads[0], without.grads[0]) > 100 * TOL[("fp32", "aot_eager")]
+
+
+@pytest.mark.parametrize("wrap", ["eager", "torch", "lean"])
+def test_unprepare_lets_the_next_run_prepare_the_model_afresh(wrap):
+    """``unprepare`` takes off what ``accelerator.prepare`` put on the transformer, wherever it
+    landed: ``torch.compile``'s module sets the mark and the saved forward on the module it
+    compiled (it used to keep them, so the next run's ``prepare`` returned the module
+    untouched: no autocast forward for a bf16 run, and in ``bench realloop`` a plain row that
+    skipped the ``.to()`` every other row paid). Nothing is compiled here."""
+    from accelerate import Accelerator
+
+    from leancompile.demos.real_loops.common import compiled_as, reset_accelerate, unprepare
+
+    module = torch.nn.Linear(4, 4)
+    model = compiled_as(module, wrap, "aot_eager", "retain")
+    forward = model.forward
+    reset_accelerate()
+    prepared = Accelerator(mixed_precision="bf16").prepare(model)
+    assert prepared is model and model.forward is not forward
+    unprepare(model)
+    assert model.forward == forward
+    holders = [model, module] + ([model.module] if wrap == "lean" else [])
+    assert not any("_is_accelerate_prepared" in h.__dict__ or "_original_forward" in h.__dict__
+                   for h in holders)
+    reset_accelerate()
+    Accelerator(mixed_precision="no").prepare(model)  # prepared afresh: marked again
+    assert getattr(model, "_is_accelerate_prepared", False)
+    unprepare(model)
+    reset_accelerate()

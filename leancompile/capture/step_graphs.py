@@ -23,7 +23,7 @@ from .fingerprint import structural_hashes
 from .roles import InputRole
 from .trace import aot_trace
 
-__all__ = ["StepGraphs"]
+__all__ = ["StepGraphs", "relaid_saved"]
 
 
 @dataclass(kw_only=True)
@@ -93,6 +93,13 @@ class StepGraphs:
     """Phase -> the graph not compiled yet, with the contexts it was traced under."""
     _compile_graph: Callable | None = field(default=None, init=False, repr=False,
                                             compare=False)
+    saved_relaid: frozenset | None = field(default=None, init=False, repr=False, compare=False)
+    """Once the forward is compiled: the saved values (indices into ``saved``) whose strides the
+    compiled forward may return other than traced (Inductor's layout optimisation lays a
+    convolution's tensors out its own way), from the strides Inductor reports for the forward's
+    outputs; None when no report came (``aot_eager``, no tracing context), so that every saved
+    tensor is checked. The backward compiled here asserts the traced strides
+    (``leancompile/lean/runtime.py`` lays those out as traced before it runs)."""
     _kept_bytes_at: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """``kept_bytes`` by batch (substituting into sympy expressions costs milliseconds, and the
     trainer and the wrapper ask on every call)."""
@@ -118,7 +125,7 @@ class StepGraphs:
         """Run the pipeline and the compiler on the graphs of ``phases`` (``forward``,
         ``backward``, ``inference``; all by default) not compiled yet. The backward compiles
         after the forward, in the order a capture always had."""
-        from torch._guards import compile_context, tracing
+        from torch._guards import TracingContext, compile_context, tracing
 
         for phase in phases or ("forward", "backward", "inference"):
             if phase == "backward":
@@ -127,18 +134,22 @@ class StepGraphs:
             if contexts is None:
                 continue
             tracing_context, compile_ctx = contexts
+            strides = None
             with contextlib.ExitStack() as stack:
                 # (a first run under torch.inference_mode(): Inductor's fake tensors and
                 # constants must not be inference tensors)
                 stack.enter_context(torch.inference_mode(False))
                 if tracing_context is not None:
                     stack.enter_context(tracing(tracing_context))
+                    if phase == "forward":  # (Inductor reports its outputs' strides there)
+                        strides = stack.enter_context(TracingContext.report_output_strides())
                 if compile_ctx is not None:
                     stack.enter_context(compile_context(compile_ctx))
                 run = self._compile_graph(getattr(self, phase), phase)
             del self._pending[phase]
             setattr(self, f"run_{phase}", run)
             if phase == "forward":
+                self.saved_relaid = relaid_saved(self.forward, self.num_outputs, strides)
                 saved_meta, kept_roots = kept_storage(self.forward, self.num_outputs,
                                                       self.batch_symbol)
                 self._found = {
@@ -214,6 +225,32 @@ class StepGraphs:
         if self.sample_output is not None:
             sample, _ = structural_hashes(graph, self.roles, cut=self.sample_output)
         return fingerprint, sample
+
+
+def relaid_saved(forward: fx.GraphModule, num_outputs: int, strides) -> frozenset | None:
+    """The saved values of ``forward`` (indices into ``saved``) that the compiled forward may
+    return with other strides than traced, given ``strides`` (per output of the forward, the
+    strides the compiler reported at the traced sizes; an empty list or None: no report, so
+    None, every saved value to be checked). A saved value whose traced strides are all plain
+    integers equal to the reported ones in every dim longer than 1 has the traced layout; one
+    with a symbolic stride (a layout that is not batch-major) is checked on every call."""
+    outputs = next(n for n in reversed(forward.graph.nodes) if n.op == "output").args[0]
+    if not strides or len(strides) != len(outputs):
+        return None
+    relaid = set()
+    for k, node in enumerate(outputs[num_outputs:]):
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        real = strides[num_outputs + k]
+        if not isinstance(val, torch.Tensor) or real is None:
+            continue
+        for size, traced, got in zip(val.shape, val.stride(), real):
+            if isinstance(size, torch.SymInt) and size.node.hint is not None:
+                size = size.node.hint
+            if isinstance(traced, torch.SymInt) or isinstance(got, torch.SymInt) or (
+                    isinstance(size, int) and size > 1 and traced != got):
+                relaid.add(k)
+                break
+    return frozenset(relaid)
 
 
 def without_sample(fingerprint: tuple, sample_output: int | None) -> tuple:

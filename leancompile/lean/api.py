@@ -138,13 +138,22 @@ def _hook_roots(fn: Callable) -> tuple[torch.nn.Module, ...] | None:
 
 def _module_hook_set(roots) -> tuple:
     """The hooks registered on every module under ``roots`` now (by handle id: a hook removed
-    and another added differ)."""
-    key = []
-    for root in roots:
-        for module in root.modules():
-            key.append((id(module), tuple(module._forward_pre_hooks),
-                        tuple(module._forward_hooks), tuple(module._backward_pre_hooks),
-                        tuple(module._backward_hooks)))
+    and another added differ), for the modules that have any. It walks the modules' own dicts:
+    on the 2-layer SD3 with LoRA (249 modules) 0.1 ms, where a key of every module from
+    ``Module.modules()`` took 0.26 ms."""
+    key, seen, stack = [], set(), list(roots)
+    while stack:
+        module = stack.pop()
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        attrs = module.__dict__
+        if attrs["_forward_pre_hooks"] or attrs["_forward_hooks"] or \
+                attrs["_backward_pre_hooks"] or attrs["_backward_hooks"]:
+            key.append((id(module), tuple(attrs["_forward_pre_hooks"]),
+                        tuple(attrs["_forward_hooks"]), tuple(attrs["_backward_pre_hooks"]),
+                        tuple(attrs["_backward_hooks"])))
+        stack.extend(attrs["_modules"].values())
     return tuple(key)
 
 

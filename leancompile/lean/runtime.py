@@ -64,13 +64,16 @@ class GraphRuntime(KeptRollout, Keys, Retain, Reweight):
         self._saved_metas = [] if backward is None else [
             n.meta.get("val") for n in backward.graph.nodes
             if n.op == "placeholder" and not n.name.startswith("tangents")]
-        self._relaid = step.options.compiler == "inductor" and graphs.forward is not None and any(
-            n.target is torch.ops.aten.convolution.default for n in graphs.forward.graph.nodes)
+        self._relaid = step.options.compiler == "inductor" and graphs.forward is not None
         """Inductor lays a convolution's tensors out its own way (layout optimisation, e.g.
         channels-last weights) and its forward may return saved tensors with other strides
         than traced, while the backward compiled here asserts the traced ones (AOTAutograd
         compiles its backward for the forward's strides instead): such saved tensors are laid
-        out as traced before the backward (``_saved_as_traced``)."""
+        out as traced before the backward (``_saved_as_traced``). Which ones: from the strides
+        Inductor reported for the compiled forward (``StepGraphs.saved_relaid``; every saved
+        tensor when it reported none)."""
+        self._relaid_positions: list[int] | None = None
+        """The backward's saved inputs to lay out as traced (``_relaid_saved``), once known."""
         self._saved_strides: dict[tuple, tuple] = {}
         self.saved_at_sizes: dict[tuple, dict] = {}
         """Per batch and sizes: the saved sizes' values and tensors' traced strides
@@ -202,23 +205,37 @@ class GraphRuntime(KeptRollout, Keys, Retain, Reweight):
         tangents = self.tangents_for(outputs, cotangents)
         self.step._state.stats.backward_graphs_run += 1
         if self._relaid:
-            bw_saved = self._saved_as_traced(bw_saved)
+            positions = self._relaid_saved(len(bw_saved))
+            if positions:
+                bw_saved = self._saved_as_traced(bw_saved, positions)
         with torch.no_grad():
             return list(self.g.run_backward(list(bw_saved) + tangents))
 
-    def _saved_as_traced(self, saved) -> list:
+    def _relaid_saved(self, count: int) -> list[int]:
+        """The positions among the backward's ``count`` saved inputs that the compiled forward
+        may return with other strides than traced (``StepGraphs.saved_relaid``; all of them
+        when Inductor reported no strides)."""
+        if self._relaid_positions is None:
+            relaid = self.g.saved_relaid
+            if "forward" not in self.g.compiled:  # (not known before the forward compiled)
+                return list(range(count))
+            self._relaid_positions = list(range(count)) if relaid is None else [
+                i for i, k in enumerate(self.g.bw_saved) if k in relaid]
+        return self._relaid_positions
+
+    def _saved_as_traced(self, saved, positions) -> list:
         """``saved`` (the backward's saved inputs, in order) with the strides the backward was
-        traced with (per input and shape, worked out once)."""
-        out = []
-        for i, t in enumerate(saved):
+        traced with at ``positions`` (per input and shape, worked out once)."""
+        out = list(saved)
+        for i in positions:
+            t = out[i]
             meta = self._saved_metas[i] if i < len(self._saved_metas) else None
             if isinstance(t, Tensor) and isinstance(meta, Tensor):
                 key = (i, tuple(t.shape))
                 stride = self._saved_strides.get(key)
                 if stride is None:
                     stride = self._saved_strides[key] = traced_stride(meta, sizes_of(meta, t))
-                t = restrided(t, stride)
-            out.append(t)
+                out[i] = restrided(t, stride)
         return out
 
     def _update(self, args):

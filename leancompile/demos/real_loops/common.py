@@ -152,10 +152,17 @@ def reset_accelerate() -> None:
 def unprepare(model) -> None:
     """Take off what ``accelerator.prepare`` put on the model (its mixed-precision ``forward``
     and the mark that makes a later ``prepare`` return the model untouched), so that a later
-    run of the loop on the same model prepares it afresh, for its own Accelerator."""
-    original = model.__dict__.pop("_original_forward", None)
+    run of the loop on the same model prepares it afresh, for its own Accelerator.
+    ``torch.compile``'s module sets the attributes ``prepare`` adds on the module it compiled
+    (``forward`` stays its own), so both are looked at."""
+    holders = [model]
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        holders.append(model._orig_mod)
+    original = None
+    for holder in holders:
+        original = holder.__dict__.pop("_original_forward", None) or original
+        holder.__dict__.pop("_is_accelerate_prepared", None)
     if original is not None:
         model.forward = original
-    model.__dict__.pop("_is_accelerate_prepared", None)
 
 
