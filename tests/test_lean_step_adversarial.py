@@ -810,6 +810,57 @@ def test_channels_last_convolutions_under_inductor(schedule, autocast):
         assert [g.saved_relaid for g in plain.graphs] == [frozenset()]
 
 
+class Conv3dPolicy(nn.Module):
+    """3-D convolutions on channels-last-3d activations (a video model's layout)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = nn.Conv3d(3, 4, 3, padding=1)
+        self.c2 = nn.Conv3d(4, 3, 3, padding=1)
+
+    def forward(self, x, t):
+        h = torch.relu(self.c1(x.contiguous(memory_format=torch.channels_last_3d)))
+        return self.c2(h * t.view(-1, 1, 1, 1, 1).float())
+
+
+def test_one_row_regrouped_from_3d_convolutions_under_inductor_is_recomputed():
+    """A batch-1 update call whose row Retain kept in a batch-4 call: its backward would run
+    the kept graph's, compiled for a symbolic batch, at a batch of 1, where torch's 3-D
+    convolution returns its gradients contiguous for channels-last-3d inputs (at any other
+    batch: channels-last-3d), and Inductor's compiled backward asserted the format it compiled
+    for ("expected size 4==4, stride 64==1"; a review found it). That call is recomputed, with
+    the reason; the three-row call is served; gradients are eager autograd's."""
+    plan = ([2, 0, 3], [1])
+
+    def loop(model, step):
+        g = torch.Generator().manual_seed(1)
+        xs = [torch.randn(4, 3, 4, 4, 4, generator=g) for _ in range(2)]
+        with _phase(step, "rollout", train=2), torch.no_grad():
+            for k in range(2):
+                (step or model)(xs[k], torch.full((4,), k))
+        model.zero_grad()
+        with _phase(step, "update"):
+            for rows in plan:
+                for k in range(2):
+                    r = torch.tensor(rows)
+                    out = (step or model)(xs[k][r], torch.full((len(rows),), k))
+                    (out.square().sum((1, 2, 3, 4)) * torch.arange(1.0, len(rows) + 1)).sum() \
+                        .backward()
+        return _grads(model)
+
+    want = loop(Conv3dPolicy(), None)
+    model = Conv3dPolicy()
+    step = leancompile.lean_compile(model, backend="inductor", schedule="retain")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReuseWarning)
+        got = loop(model, step)
+    assert step.stats.reused_calls == 2, step.stats.summary()
+    [(reason, n)] = step.stats.recomputed.items()
+    assert n == 2 and "3-D convolution" in reason, step.stats.recomputed
+    assert _rel(got, want) <= 1e-5, _rel(got, want)
+
+
 def _passthrough_loop(model, fn, step, *, autocast=False, hook_between=False):
     """``_flow_grpo_loop``'s rollout and mixed update batches with what users add: bf16
     autocast around both phases, a forward hook registered between them, the served log-prob
@@ -869,3 +920,76 @@ def test_a_passed_through_sample_under_bf16_a_hook_and_two_backwards():
     assert step.stats.reused_calls == 0 and step.stats.forwards_run == len(MIXED)
     assert "another graph" in next(iter(step.stats.recomputed)), step.stats.summary()
     assert _rel(got, want) <= 1e-5, _rel(got, want)
+
+
+class ListedExperts(nn.Module):
+    """Experts kept in a plain list, the module tree told of them by ``named_modules`` (as some
+    mixture-of-experts holders do): a hook on an expert is one the call runs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 4)
+        self.experts = [nn.Linear(4, 4), nn.Linear(4, 4)]
+        for i, expert in enumerate(self.experts):  # (trained, but not submodules)
+            for name, p in expert.named_parameters():
+                self.register_parameter(f"expert{i}_{name}", p)
+
+    def named_modules(self, memo=None, prefix="", remove_duplicate=True):
+        yield from super().named_modules(memo, prefix, remove_duplicate)
+        for i, expert in enumerate(self.experts):
+            yield f"{prefix}.experts.{i}" if prefix else f"experts.{i}", expert
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.experts[0](h) + self.experts[1](h)
+
+
+def _listed_loop(model, step):
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(2))
+    with _phase(step, "rollout", train=1), torch.no_grad():
+        (step or model)(x)
+    handle = model.experts[1].register_forward_hook(lambda m, a, o: o * 3.0)
+    model.zero_grad()
+    with _phase(step, "update"):
+        (step or model)(x).square().sum().backward()
+    handle.remove()
+    return _grads(model)
+
+
+def test_a_hook_added_between_the_phases_on_a_module_its_tree_lists_outside_its_children():
+    """The step's look at its modules' hooks at each phase entry walks what the module says it
+    holds (``named_modules``), not only its children: a hook added on an expert kept in a list
+    between the rollout and the update makes the update run the graph with the hook (the kept
+    call, traced without it, is not reused). A review found the faster walk had looked at the
+    children alone."""
+    want = _listed_loop(ListedExperts(), None)
+    model = ListedExperts()
+    step = leancompile.lean_compile(model, backend="aot_eager", schedule="retain")
+    got = _listed_loop(model, step)
+    assert step.stats.reused_calls == 0, step.stats.summary()
+    assert _rel(got, want) <= 1e-6, _rel(got, want)
+
+
+def test_a_module_without_its_own_hook_dicts_is_wrapped():
+    """A module whose hook dicts are not in its instance dict (one restored without
+    ``Module.__init__``, a dict on its class) is wrapped and run: the hook walk reads them as
+    attributes."""
+
+    class NoOwnHooks(nn.Linear):
+        _backward_pre_hooks = {}
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    odd = NoOwnHooks(2, 2)
+    del odd.__dict__["_backward_pre_hooks"]
+    model.append(odd)
+    step = leancompile.lean_compile(model, backend="aot_eager", schedule="recompute")
+    x = torch.randn(3, 4)
+    with step.rollout(train=1), torch.no_grad():
+        step(x)
+    with step.update():
+        step(x).sum().backward()
+    want = copy.deepcopy(model)
+    want.zero_grad()
+    want(x).sum().backward()
+    assert _rel(_grads(model), _grads(want)) <= 1e-6, _rel(_grads(model), _grads(want))

@@ -294,3 +294,25 @@ def test_unprepare_lets_the_next_run_prepare_the_model_afresh(wrap):
     assert getattr(model, "_is_accelerate_prepared", False)
     unprepare(model)
     reset_accelerate()
+
+
+def test_unprepare_leaves_a_compiled_modules_forward_when_the_module_was_prepared_first():
+    """A module prepared (bf16: its forward wrapped, the original saved on it), then compiled
+    and the compiled module prepared again (accelerate returns it as it is: it inherits the
+    mark through the compiled module's attribute forwarding): ``unprepare`` of the compiled
+    module must not give it the module's saved eager forward (a review found it did)."""
+    from accelerate import Accelerator
+
+    from leancompile.demos.real_loops.common import reset_accelerate, unprepare
+
+    module = torch.nn.Linear(4, 4)
+    reset_accelerate()
+    accelerator = Accelerator(mixed_precision="bf16")
+    accelerator.prepare(module)
+    compiled = torch.compile(module, backend="aot_eager")
+    forward = compiled.forward
+    assert accelerator.prepare(compiled) is compiled and compiled.forward is forward
+    unprepare(compiled)
+    assert compiled.forward is forward
+    assert "_original_forward" in module.__dict__  # the module's own preparation, untouched
+    reset_accelerate()

@@ -233,7 +233,8 @@ def relaid_saved(forward: fx.GraphModule, num_outputs: int, strides) -> frozense
     strides the compiler reported at the traced sizes; an empty list or None: no report, so
     None, every saved value to be checked). A saved value whose traced strides are all plain
     integers equal to the reported ones in every dim longer than 1 has the traced layout; one
-    with a symbolic stride (a layout that is not batch-major) is checked on every call."""
+    with a symbolic stride (a layout that is not batch-major) or no reported stride is checked
+    on every call."""
     outputs = next(n for n in reversed(forward.graph.nodes) if n.op == "output").args[0]
     if not strides or len(strides) != len(outputs):
         return None
@@ -241,7 +242,10 @@ def relaid_saved(forward: fx.GraphModule, num_outputs: int, strides) -> frozense
     for k, node in enumerate(outputs[num_outputs:]):
         val = node.meta.get("val") if isinstance(node, fx.Node) else None
         real = strides[num_outputs + k]
-        if not isinstance(val, torch.Tensor) or real is None:
+        if not isinstance(val, torch.Tensor):
+            continue
+        if real is None:  # (a stride Inductor could not state: a data-dependent size)
+            relaid.add(k)
             continue
         for size, traced, got in zip(val.shape, val.stride(), real):
             if isinstance(size, torch.SymInt) and size.node.hint is not None:

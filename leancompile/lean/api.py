@@ -148,13 +148,23 @@ def _module_hook_set(roots) -> tuple:
             continue
         seen.add(id(module))
         attrs = module.__dict__
-        if attrs["_forward_pre_hooks"] or attrs["_forward_hooks"] or \
-                attrs["_backward_pre_hooks"] or attrs["_backward_hooks"]:
-            key.append((id(module), tuple(attrs["_forward_pre_hooks"]),
-                        tuple(attrs["_forward_hooks"]), tuple(attrs["_backward_pre_hooks"]),
-                        tuple(attrs["_backward_hooks"])))
-        stack.extend(attrs["_modules"].values())
+        try:
+            a, b, c, d = (attrs["_forward_pre_hooks"], attrs["_forward_hooks"],
+                          attrs["_backward_pre_hooks"], attrs["_backward_hooks"])
+        except KeyError:  # (a module that keeps one elsewhere, e.g. on its class)
+            a, b, c, d = (getattr(module, name, None) or {} for name in _HOOK_DICTS)
+        if a or b or c or d:
+            key.append((id(module), tuple(a), tuple(b), tuple(c), tuple(d)))
+        kind = type(module)
+        if kind.named_modules is not _NAMED_MODULES or kind.modules is not _MODULES:
+            stack.extend(module.modules())  # (a tree of its own making: what it says it holds)
+        else:
+            stack.extend(attrs["_modules"].values())
     return tuple(key)
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_NAMED_MODULES, _MODULES = torch.nn.Module.named_modules, torch.nn.Module.modules
 
 
 def _entry(fn: Callable, module_hooks: list) -> Callable:

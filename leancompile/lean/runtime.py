@@ -72,6 +72,16 @@ class GraphRuntime(KeptRollout, Keys, Retain, Reweight):
         out as traced before the backward (``_saved_as_traced``). Which ones: from the strides
         Inductor reported for the compiled forward (``StepGraphs.saved_relaid``; every saved
         tensor when it reported none)."""
+        self.no_batch_of_one = step.options.compiler == "inductor" and \
+            graphs.batch_symbol is not None and backward is not None and any(
+                n.target is torch.ops.aten.convolution_backward.default
+                and getattr(n.args[1].meta.get("val"), "ndim", 0) == 5
+                for n in backward.graph.nodes if n.op == "call_function")
+        """Whether this graph's compiled backward must not run at a batch of 1: compiled for a
+        symbolic batch (Dynamo never runs such a graph at 1), it runs a 3-D convolution's
+        backward, which at a batch of 1 returns its gradients in another memory format than at
+        any other batch (torch 2.13: contiguous for channels-last-3d inputs), and Inductor
+        asserts the format it compiled for (``ServedUpdate.refusal``)."""
         self._relaid_positions: list[int] | None = None
         """The backward's saved inputs to lay out as traced (``_relaid_saved``), once known."""
         self._saved_strides: dict[tuple, tuple] = {}

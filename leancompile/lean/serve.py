@@ -47,7 +47,9 @@ class ServedUpdate:
 
     def refusal(self) -> str:
         """Why the kept rows cannot serve this call ("" when they can): rows kept by different
-        graphs, or rows regrouped where the LeanGRPO stage did not prove them apart."""
+        graphs, rows regrouped where the LeanGRPO stage did not prove them apart, or one row
+        regrouped where the kept graph's backward cannot run at a batch of 1
+        (``GraphRuntime.no_batch_of_one``)."""
         g, layouts = self.g, self.layouts
         kept_g = self.kept_graph.g
         if any(k.runtime.g is not kept_g and (k.runtime.g.bw_saved != kept_g.bw_saved or
@@ -60,6 +62,10 @@ class ServedUpdate:
         if not (row_local or (self.whole and (len(self.runs) == 1 or splittable))):
             reason = layouts.get("reason") or "the LeanGRPO stage did not run"
             return f"rows regrouped, and {reason}"
+        if not self.whole and len(self.retain) == 1 and self.kept_graph.no_batch_of_one:
+            return ("one row regrouped into a backward compiled for a symbolic batch that runs "
+                    "a 3-D convolution's backward, which at a batch of 1 returns its gradients "
+                    "in another memory format than Inductor compiled for")
         return ""
 
     def outputs(self) -> list:

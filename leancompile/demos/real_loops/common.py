@@ -154,10 +154,14 @@ def unprepare(model) -> None:
     and the mark that makes a later ``prepare`` return the model untouched), so that a later
     run of the loop on the same model prepares it afresh, for its own Accelerator.
     ``torch.compile``'s module sets the attributes ``prepare`` adds on the module it compiled
-    (``forward`` stays its own), so both are looked at."""
+    (``forward`` stays its own), so both are looked at; not a forward saved there that is the
+    compiled module's own (prepared itself before it was compiled: the wrapper then inherited
+    its mark and was left as it was)."""
     holders = [model]
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        holders.append(model._orig_mod)
+        inner = model._orig_mod
+        if getattr(inner.__dict__.get("_original_forward"), "__self__", None) is not inner:
+            holders.append(inner)
     original = None
     for holder in holders:
         original = holder.__dict__.pop("_original_forward", None) or original
