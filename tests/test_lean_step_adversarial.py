@@ -811,26 +811,31 @@ def test_channels_last_convolutions_under_inductor(schedule, autocast):
 
 
 class Conv3dPolicy(nn.Module):
-    """3-D convolutions on channels-last-3d activations (a video model's layout)."""
+    """3-D convolutions (a video model's patch embedding), on channels-last-3d activations or
+    contiguous ones."""
 
-    def __init__(self):
+    def __init__(self, channels_last: bool):
         super().__init__()
         torch.manual_seed(0)
+        self.channels_last = channels_last
         self.c1 = nn.Conv3d(3, 4, 3, padding=1)
         self.c2 = nn.Conv3d(4, 3, 3, padding=1)
 
     def forward(self, x, t):
-        h = torch.relu(self.c1(x.contiguous(memory_format=torch.channels_last_3d)))
-        return self.c2(h * t.view(-1, 1, 1, 1, 1).float())
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last_3d)
+        return self.c2(torch.relu(self.c1(x)) * t.view(-1, 1, 1, 1, 1).float())
 
 
-def test_one_row_regrouped_from_3d_convolutions_under_inductor_is_recomputed():
+@pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last_3d", "contiguous"])
+def test_one_row_regrouped_from_3d_convolutions_under_inductor(channels_last):
     """A batch-1 update call whose row Retain kept in a batch-4 call: its backward would run
     the kept graph's, compiled for a symbolic batch, at a batch of 1, where torch's 3-D
     convolution returns its gradients contiguous for channels-last-3d inputs (at any other
     batch: channels-last-3d), and Inductor's compiled backward asserted the format it compiled
     for ("expected size 4==4, stride 64==1"; a review found it). That call is recomputed, with
-    the reason; the three-row call is served; gradients are eager autograd's."""
+    the reason; on contiguous activations (a format that does not change) it is served. The
+    three-row call is served; gradients are eager autograd's."""
     plan = ([2, 0, 3], [1])
 
     def loop(model, step):
@@ -849,15 +854,18 @@ def test_one_row_regrouped_from_3d_convolutions_under_inductor_is_recomputed():
                         .backward()
         return _grads(model)
 
-    want = loop(Conv3dPolicy(), None)
-    model = Conv3dPolicy()
+    want = loop(Conv3dPolicy(channels_last), None)
+    model = Conv3dPolicy(channels_last)
     step = leancompile.lean_compile(model, backend="inductor", schedule="retain")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReuseWarning)
         got = loop(model, step)
-    assert step.stats.reused_calls == 2, step.stats.summary()
-    [(reason, n)] = step.stats.recomputed.items()
-    assert n == 2 and "3-D convolution" in reason, step.stats.recomputed
+    if channels_last:
+        assert step.stats.reused_calls == 2, step.stats.summary()
+        [(reason, n)] = step.stats.recomputed.items()
+        assert n == 2 and "3-D convolution" in reason, step.stats.recomputed
+    else:
+        assert step.stats.reused_calls == 4 and not step.stats.recomputed, step.stats.summary()
     assert _rel(got, want) <= 1e-5, _rel(got, want)
 
 

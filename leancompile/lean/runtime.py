@@ -75,13 +75,13 @@ class GraphRuntime(KeptRollout, Keys, Retain, Reweight):
         self.no_batch_of_one = step.options.compiler == "inductor" and \
             graphs.batch_symbol is not None and backward is not None and any(
                 n.target is torch.ops.aten.convolution_backward.default
-                and getattr(n.args[1].meta.get("val"), "ndim", 0) == 5
+                and any(_channels_last_3d(a.meta.get("val")) for a in n.args[1:3])
                 for n in backward.graph.nodes if n.op == "call_function")
         """Whether this graph's compiled backward must not run at a batch of 1: compiled for a
         symbolic batch (Dynamo never runs such a graph at 1), it runs a 3-D convolution's
-        backward, which at a batch of 1 returns its gradients in another memory format than at
-        any other batch (torch 2.13: contiguous for channels-last-3d inputs), and Inductor
-        asserts the format it compiled for (``ServedUpdate.refusal``)."""
+        backward on channels-last-3d tensors, which at a batch of 1 returns its gradients
+        contiguous (torch 2.13; channels-last-3d at any other batch), and Inductor asserts the
+        format it compiled for (``ServedUpdate.refusal``)."""
         self._relaid_positions: list[int] | None = None
         """The backward's saved inputs to lay out as traced (``_relaid_saved``), once known."""
         self._saved_strides: dict[tuple, tuple] = {}
@@ -295,6 +295,15 @@ class GraphRuntime(KeptRollout, Keys, Retain, Reweight):
         state.stats.forwards_run += 1
         return self._plain(args, True)
 
+
+
+def _channels_last_3d(val) -> bool:
+    """Whether ``val`` (a traced tensor) is 5-D with its channels innermost."""
+    if not isinstance(val, Tensor) or val.ndim != 5:
+        return False
+    channels, stride = val.shape[1], val.stride()[1]
+    return isinstance(stride, int) and stride == 1 and not (isinstance(channels, int)
+                                                             and channels == 1)
 
 
 def warn_little_reuse(kept_rows: bool, stats: StepStats, calls: int, reused: int,
