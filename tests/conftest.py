@@ -3,6 +3,10 @@ import os
 import pytest
 import torch
 
+from collector import freeze, tune
+
+tune()
+
 # A pass that raises inside the test suite is a bug to see, not a site to skip: the safety net
 # of the passes re-raises (spawned workers inherit this; the safety-net tests unset it).
 os.environ.setdefault("LEANCOMPILE_ON_ERROR", "raise")
@@ -18,6 +22,11 @@ LONGEST_FIRST = ("test_real_loops.py", "test_ulysses.py", "test_flash_overlap_sa
                  "test_grpo_fsdp.py", "test_flash_overlap.py", "test_grpo_bench_explain.py",
                  "test_bf16.py", "test_grpo_trainer.py", "test_torchtitan.py",
                  "test_grpo_distributed.py", "test_lean_step.py")
+
+
+def pytest_collection_finish(session):
+    """The test modules are imported: their objects (and torch's) out of the collector's way."""
+    freeze()
 
 
 def pytest_collection_modifyitems(config, items):

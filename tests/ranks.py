@@ -15,6 +15,8 @@ import os
 
 import torch.multiprocessing as mp
 
+import collector
+
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx",
            "torch.distributed.tensor", "leancompile", "leancompile.grpo.trainer",
            "diffusers.models.transformers.transformer_flux",
@@ -24,6 +26,8 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compi
 def _with_environment(rank, environ, fn, *args):
     os.environ.clear()
     os.environ.update(environ)
+    collector.tune()  # (the fork server's modules are imported: frozen with the rest)
+    collector.freeze()
     return fn(rank, *args)
 
 
