@@ -3,7 +3,7 @@
 # so a CPU-only machine does not pull a multi-GB CUDA build. Example: make test TORCH=torch==2.6.0
 # PYTHON: the interpreter the venv is made from. The suite is mostly Python (Dynamo's and
 # AOTAutograd's tracing): Debian's CPython 3.11, built with profile-guided and link-time
-# optimisation, runs it in about 0.8 of the CPU time of a pyenv build made without them
+# optimisation, runs it in 0.8-0.9 of the CPU time of a pyenv build made without them
 # (docs/measured.md, "The suite's Python"), so it is taken where it exists and can make a venv;
 # python3 otherwise. Example: make test PYTHON=python3.12
 PYTHON ?= $(firstword $(shell /usr/bin/python3.11 -c "import ensurepip, venv" 2>/dev/null \
