@@ -34,3 +34,10 @@ def freeze() -> None:
     """Leave every object that exists now to reference counting alone (after the imports)."""
     if _tuned():
         gc.freeze()
+
+
+def settle() -> None:
+    """A process the tests start (a rank, a pool worker), its modules imported: ``tune`` and
+    ``freeze`` (conftest's own are not inherited across a spawn or a fork server)."""
+    tune()
+    freeze()

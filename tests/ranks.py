@@ -26,8 +26,7 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compi
 def _with_environment(rank, environ, fn, *args):
     os.environ.clear()
     os.environ.update(environ)
-    collector.tune()  # (the fork server's modules are imported: frozen with the rest)
-    collector.freeze()
+    collector.settle()
     return fn(rank, *args)
 
 

@@ -290,8 +290,7 @@ def _worker(rank, init_file, inbox, outbox):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=POOL_SIZE, timeout=timeout)
     torch.set_num_threads(1)
-    collector.tune()  # (a spawned process: conftest's tuning is not inherited)
-    collector.freeze()
+    collector.settle()
     torch._inductor.config.compile_threads = 1  # no pool of compile processes per worker
     # The pass must run on every compile: no graph served from Inductor's caches.
     torch._inductor.config.fx_graph_cache = False
