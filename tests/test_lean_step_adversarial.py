@@ -357,6 +357,76 @@ def test_retain_graph_and_a_second_backward(base, compiler):
         assert _rel(_grads(model), _grads(reference)) <= 1e-6
 
 
+class TokenVelocity(nn.Module):
+    """A velocity over S tokens of width D (``[B, S, D]``, FLUX's packed latents) and a
+    timestep: its Linear on a 3-D input is what a strided input traces differently."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(D, 16), nn.Linear(16, D)
+
+    def forward(self, x, t):
+        return self.out(F.gelu(self.inp(x) + t[:, None, None]))
+
+
+def _token_loop(fn, step):
+    """FlowGRPO's ``train_flux.py`` without its model: sampling with dense latents and a
+    dense timestep, then training on a column of the stacked trajectory
+    (``sample["latents"][:, j]``, strided: no classifier-free guidance ``cat`` makes it dense
+    as in the SD3 loop) and a stride-0 ``expand(B)``, shuffled rows."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, S, D, generator=g)]
+    with _phase(step, "rollout", train=3), torch.no_grad():
+        for k in range(T):
+            xs.append(xs[-1] + 0.1 * fn(xs[-1], torch.full((4,), k / T)))
+    trajectory = torch.stack(xs, 1)  # [B, T + 1, S, D]
+    with _phase(step, "update"):
+        for rows in SHUFFLED:
+            batch = trajectory[rows]
+            for k in range(3):
+                v = fn(batch[:, k], torch.tensor(k / T).expand(len(rows)))
+                v.square().mean().backward()
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_strided_update_inputs_reuse_the_rollout(compiler):
+    """A strided input traces another aten graph (the Linear on ``[B, S, D]`` that a view
+    cannot flatten: ``expand`` + ``bmm`` instead of ``view`` + ``addmm``): no kept call
+    computed the same function, and Retain reused 0 of 6 calls (gradients right, nothing
+    saved; FlowGRPO's FLUX loop on a tiny FLUX: 0 of 6 first-window calls). The step lays
+    such inputs out densely before Dynamo sees them (``lean/inputs.py``)."""
+    reference = TokenVelocity()
+    _token_loop(reference, None)
+    model = TokenVelocity()
+    step = leancompile.lean_compile(model, backend=compiler, schedule="retain")
+    _token_loop(step, step)
+    assert step.stats.reused_calls == 6, step.stats.summary()
+    assert _rel(_grads(model), _grads(reference)) <= 1e-6
+
+
+def test_the_reuse_warning_names_every_reason(base):
+    """Two optimizer steps per rollout: the second window's "parameters changed" counts as many
+    calls as whatever stopped the first window, and the warning named one reason of a tie
+    (the alphabetically last), so the first window's own reason went unsaid (FlowGRPO's FLUX
+    loop: its strided inputs, above)."""
+    model = copy.deepcopy(base)
+    step = leancompile.lean_compile(model, backend="aot_eager", schedule="retain")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs, cond = _rollout(step, step)
+    with pytest.warns(ReuseWarning) as record, step.update():
+        for window, rows in enumerate(SHUFFLED):
+            for k in range(3):
+                x = xs[k][rows] + (1.0 if window == 0 else 0.0)  # the first: never sampled
+                step(x, torch.full((2,), k), cond[rows]).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    message = str(record[0].message)
+    assert "0 of 6 calls" in message, message
+    assert "(3 x) row 0: inputs not seen" in message, message
+    assert "(3 x) the parameters changed" in message, message
+
+
 @pytest.mark.parametrize("compiler", COMPILERS)
 def test_a_rollout_under_inference_mode(base, compiler):
     """``torch.inference_mode()`` around the sampling loop raised "Inference tensors do not

@@ -65,6 +65,7 @@ from ..passes.lean_grpo import reweight_rows_per_backward
 from ..report import Report, record_report
 from .config import SCHEDULE_CHOICES, StepConfig, StepReport, StepStats
 from .graphs import numel_per_row
+from .inputs import densely, is_dense, tensors_of
 from .runtime import GraphRuntime, warn_little_reuse
 from .state import StepState, TrainSpec, free_memory_bytes, sample_ids
 
@@ -94,22 +95,6 @@ class _Backend:
         step.reports.append(report)
         step.graphs.append(graphs)
         return GraphRuntime(step, graphs)
-
-
-def _tensors_of(args, kwargs) -> list[Tensor]:
-    """The tensors among a call's arguments, also inside lists, tuples and dicts (what
-    ``tree_flatten`` finds there, without its registry lookups: this runs on every call)."""
-    found = []
-    stack = list(kwargs.values())[::-1] + list(args)[::-1]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            stack.extend(reversed(value))
-        elif isinstance(value, dict):
-            stack.extend(reversed(list(value.values())))
-    return found
 
 
 _GLOBAL_HOOKS = [0]
@@ -246,7 +231,10 @@ class LeanStep:
 
     def __call__(self, *args, **kwargs):
         state = self._state
-        tensors = _tensors_of(args, kwargs)
+        tensors = tensors_of(args, kwargs)
+        if not all(is_dense(t) for t in tensors):  # (one graph per layout otherwise)
+            args, kwargs = densely(args, kwargs)
+            tensors = tensors_of(args, kwargs)
         batch = next((t.shape[0] for t in tensors if t.dim() >= 1), 1)
         if batch > 1:
             for t in tensors:
@@ -445,7 +433,7 @@ class LeanStep:
         """What ``leancompile.explain(step, *args)`` returns: the graphs a call with these
         arguments runs (compiled, not run) and what each schedule keeps for it."""
         graphs = self.plan(*args, **kwargs)
-        tensors = _tensors_of(args, kwargs)
+        tensors = tensors_of(args, kwargs)
         batch = next((t.shape[0] for t in tensors if t.dim() >= 1), 1)
         device = tensors[0].device if tensors else torch.device("cpu")
         budget = self.config.memory_budget_bytes or int(

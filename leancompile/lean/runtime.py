@@ -309,7 +309,9 @@ def _channels_last_3d(val) -> bool:
 def warn_little_reuse(kept_rows: bool, stats: StepStats, calls: int, reused: int,
                        recomputed: Counter) -> None:
     """At ``update()`` exit: warn when the rollout kept rows and fewer than half of this
-    update's calls reused them, naming the most frequent reason."""
+    update's calls reused them, naming the reasons, most frequent first (each of them: with
+    two optimizer steps per rollout the second window's "parameters changed" counts as many
+    calls as whatever stopped the first window, and naming one would hide the other)."""
     if stats is None or not kept_rows:
         return
     calls, reused = stats.update_calls - calls, stats.reused_calls - reused
@@ -317,10 +319,13 @@ def warn_little_reuse(kept_rows: bool, stats: StepStats, calls: int, reused: int
         return
     reasons = Counter(stats.recomputed)
     reasons.subtract(recomputed)
-    top = max(((n, r) for r, n in reasons.items() if n > 0), default=(0, "unknown"))
+    ranked = sorted(((n, r) for r, n in reasons.items() if n > 0), key=lambda nr: -nr[0])
+    said = "; ".join(f"({n} x) {r}" for n, r in ranked[:3]) or "unknown"
+    if len(ranked) > 3:
+        said += f"; and {len(ranked) - 3} more"
     warnings.warn(
-        f"update(): {reused} of {calls} calls reused what the rollout kept; the most frequent "
-        f"reason for the others ({top[0]} x): {top[1]}. If the rollout trains the wrong calls "
+        f"update(): {reused} of {calls} calls reused what the rollout kept; the reasons for "
+        f"the others, most frequent first: {said}. If the rollout trains the wrong calls "
         "(several sampling batches of T steps: rollout(train=..., trajectory_steps=T)), or "
         "more than one optimizer step follows a rollout, the kept memory is wasted; see "
         "step.stats.summary()", ReuseWarning, stacklevel=4)
