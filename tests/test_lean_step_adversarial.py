@@ -405,6 +405,27 @@ def test_strided_update_inputs_reuse_the_rollout(compiler):
     assert _rel(_grads(model), _grads(reference)) <= 1e-6
 
 
+def test_dense_inputs_keep_formats_and_gradients():
+    """What ``lean/inputs.py`` copies: strided views and stride-0 expands, in nested
+    arguments; not a dense tensor, a channels-last one or a sparse one (whose
+    ``.contiguous()`` raises "unsupported memory format option"). The copy is differentiable: the gradient reaches the tensor the caller passed."""
+    from leancompile.lean.inputs import densely
+
+    x = torch.randn(4, 3, 5, requires_grad=True)
+    column = torch.stack([x, x], 1)[:, 0]
+    cl = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    sparse = torch.eye(3).to_sparse()
+    dense = torch.randn(3)
+    args, kwargs = densely((column, [torch.tensor(1.0).expand(4)]),
+                           {"cl": cl, "nested": {"sparse": sparse, "dense": dense}})
+    assert args[0].is_contiguous() and torch.equal(args[0], column)
+    assert args[1][0].stride() == (1,) and torch.equal(args[1][0], torch.ones(4))
+    assert kwargs["cl"] is cl and kwargs["nested"]["sparse"] is sparse
+    assert kwargs["nested"]["dense"] is dense
+    args[0].sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 1.0))
+
+
 def test_the_reuse_warning_names_every_reason(base):
     """Two optimizer steps per rollout: the second window's "parameters changed" counts as many
     calls as whatever stopped the first window, and the warning named one reason of a tie

@@ -39,7 +39,7 @@ def tensors_of(args, kwargs) -> list[Tensor]:
 def is_dense(t: Tensor) -> bool:
     """Whether ``t`` is laid out as a freshly made tensor is: contiguous, or channels-last (a
     4-D or 5-D tensor in that format on purpose)."""
-    if t.is_contiguous() or t.layout is not torch.strided:
+    if t.layout is not torch.strided or t.is_contiguous():  # (a sparse one cannot be copied so)
         return True
     if t.dim() == 4:
         return t.is_contiguous(memory_format=torch.channels_last)
