@@ -406,24 +406,64 @@ def test_strided_update_inputs_reuse_the_rollout(compiler):
 
 
 def test_dense_inputs_keep_formats_and_gradients():
-    """What ``lean/inputs.py`` copies: strided views and stride-0 expands, in nested
-    arguments; not a dense tensor, a channels-last one or a sparse one (whose
-    ``.contiguous()`` raises "unsupported memory format option"). The copy is differentiable: the gradient reaches the tensor the caller passed."""
-    from leancompile.lean.inputs import densely
+    """What ``lean/inputs.py`` copies: strided plain tensors, at the top level and in tuples,
+    one copy per tensor. What it leaves: lists and dicts with what they hold (the step may
+    write into them), an expand (its copy could be many times its memory), an
+    ``nn.Parameter`` (a copy would be no parameter), a dense, channels-last or sparse tensor
+    (a sparse one's ``.contiguous()`` raises). The copy is differentiable: the gradient
+    reaches the caller's tensor; an output that is a copy is given back as the caller's."""
+    from leancompile.lean.inputs import densely, given_back
 
     x = torch.randn(4, 3, 5, requires_grad=True)
     column = torch.stack([x, x], 1)[:, 0]
+    listed = [torch.stack([x, x], 1)[:, 1]]
+    expand = torch.tensor(1.0).expand(4)
+    param = nn.Parameter(torch.randn(5, 3).t())
     cl = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)
-    sparse = torch.eye(3).to_sparse()
-    dense = torch.randn(3)
-    args, kwargs = densely((column, [torch.tensor(1.0).expand(4)]),
-                           {"cl": cl, "nested": {"sparse": sparse, "dense": dense}})
+    sparse, dense = torch.eye(3).to_sparse(), torch.randn(3)
+    nested = {"sparse": sparse, "dense": dense}
+    args, kwargs, copies = densely((column, (column, expand), listed),
+                                   {"cl": cl, "nested": nested, "param": param})
     assert args[0].is_contiguous() and torch.equal(args[0], column)
-    assert args[1][0].stride() == (1,) and torch.equal(args[1][0], torch.ones(4))
-    assert kwargs["cl"] is cl and kwargs["nested"]["sparse"] is sparse
-    assert kwargs["nested"]["dense"] is dense
+    assert args[1][0] is args[0] and args[1][1] is expand  # one copy; the expand as it was
+    assert args[2] is listed and kwargs["nested"] is nested  # containers not rebuilt
+    assert kwargs["cl"] is cl and kwargs["param"] is param
+    assert copies == {id(args[0]): column}
+    assert given_back((args[0], [args[0], dense]), copies) == (column, [column, dense])
     args[0].sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 1.0))
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_a_strided_call_keeps_what_the_caller_sees(compiler):
+    """The dense copy (``lean/inputs.py``) changes nothing a caller sees: a dict the step
+    writes into is the caller's, an output that is the input is the caller's tensor, a
+    parameter passed as an argument (strided: ``W.t()`` of a parameter made so) stays a
+    parameter and the calls reuse. (The first version of the copy rebuilt every container,
+    turned such a parameter into a plain tensor, 0 of 3 reused, and gave the copy back.)"""
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(D, 5).t())  # [5, D], strided
+
+    def f(x, w, cache):
+        h = torch.tanh(x @ w)
+        cache["h"] = h + 0
+        return x, h
+
+    step = leancompile.lean_compile(f, backend=compiler, schedule="retain")
+    xs = torch.randn(4, 3, 5)
+    with step.rollout(), torch.no_grad():
+        for k in range(3):
+            step(xs[:, k].contiguous(), weight, {})
+    with step.update():
+        for k in range(3):
+            cache, x = {}, xs[:, k]  # strided
+            out, h = step(x, weight, cache)
+            assert out is x and torch.equal(cache["h"], h.detach())
+            h.square().sum().backward()
+    assert step.stats.reused_calls == 3, step.stats.summary()
+    expected = torch.autograd.grad(
+        sum(torch.tanh(xs[:, k] @ weight).square().sum() for k in range(3)), weight)[0]
+    assert _rel(weight.grad, expected) <= 1e-6
 
 
 def test_the_reuse_warning_names_every_reason(base):
@@ -444,7 +484,7 @@ def test_the_reuse_warning_names_every_reason(base):
             optimizer.zero_grad()
     message = str(record[0].message)
     assert "0 of 6 calls" in message, message
-    assert "(3 x) row 0: inputs not seen" in message, message
+    assert "(3 x) inputs not seen" in message, message  # (one cause, whichever row)
     assert "(3 x) the parameters changed" in message, message
 
 

@@ -65,7 +65,7 @@ from ..passes.lean_grpo import reweight_rows_per_backward
 from ..report import Report, record_report
 from .config import SCHEDULE_CHOICES, StepConfig, StepReport, StepStats
 from .graphs import numel_per_row
-from .inputs import densely, is_dense, tensors_of
+from .inputs import densely, given_back, tensors_of, to_copy
 from .runtime import GraphRuntime, warn_little_reuse
 from .state import StepState, TrainSpec, free_memory_bytes, sample_ids
 
@@ -232,8 +232,9 @@ class LeanStep:
     def __call__(self, *args, **kwargs):
         state = self._state
         tensors = tensors_of(args, kwargs)
-        if not all(is_dense(t) for t in tensors):  # (one graph per layout otherwise)
-            args, kwargs = densely(args, kwargs)
+        copies = None
+        if any(to_copy(t) for t in tensors):  # (one graph per layout otherwise)
+            args, kwargs, copies = densely(args, kwargs)
             tensors = tensors_of(args, kwargs)
         batch = next((t.shape[0] for t in tensors if t.dim() >= 1), 1)
         if batch > 1:
@@ -283,7 +284,7 @@ class LeanStep:
             if key == "update":
                 state.stats.update_calls += 1
                 state.stats.forwards_run += 1
-        return out
+        return given_back(out, copies) if copies else out
 
     @contextlib.contextmanager
     def rollout(self, train=None, *, trajectory_steps: int | None = None, samples=None,

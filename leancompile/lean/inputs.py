@@ -3,13 +3,13 @@ arguments (``tensors_of``), and the arguments laid out densely (``densely``), so
 view and a dense tensor of the same values trace one graph.
 
 Before and after ``densely``, for FlowGRPO's ``train_flux.py`` (the update passes a column
-of the stacked trajectory and a stride-0 guidance)::
+of the stacked trajectory)::
 
     transformer(hidden_states=latents[:, j],   # [B, N, C], strides ((T+1)*N*C, C, 1)
                 guidance=g.expand(B), ...)      # [B], stride (0,)
     ->
     transformer(hidden_states=<copy>,          # [B, N, C], strides (N*C, C, 1)
-                guidance=<copy>, ...)           # [B], stride (1,)
+                guidance=g.expand(B), ...)      # as it was: an expand is left alone
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["tensors_of", "is_dense", "densely"]
+__all__ = ["tensors_of", "is_dense", "to_copy", "densely", "given_back"]
 
 
 def tensors_of(args, kwargs) -> list[Tensor]:
@@ -46,9 +46,21 @@ def is_dense(t: Tensor) -> bool:
     return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
 
 
+def _expanded(t: Tensor) -> bool:
+    """Whether ``t`` repeats its memory along a dim (stride 0 where the size is over 1: an
+    ``expand``, a broadcast mask)."""
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))
+
+
+def to_copy(t: Tensor) -> bool:
+    """Whether ``densely`` copies ``t``: a plain tensor, strided, not an expand."""
+    return type(t) is Tensor and not is_dense(t) and not _expanded(t)
+
+
 def densely(args, kwargs):
-    """``(args, kwargs)`` with every plain tensor that is not laid out densely (``is_dense``)
-    replaced by a contiguous copy, also inside lists, tuples and dicts.
+    """``(args, kwargs, copies)``: the arguments with every strided plain tensor (not laid out
+    densely, ``is_dense``; not an ``expand``) replaced by a contiguous copy, at the top level
+    and inside tuples; ``copies`` maps each copy's ``id`` to the tensor it copies.
 
     Why: a strided input traces another aten graph than a dense one of the same values (a
     ``Linear`` on a 3-D input that a view cannot flatten decomposes to ``expand`` + ``bmm``
@@ -57,17 +69,56 @@ def densely(args, kwargs):
     on ``sample["latents"][:, j]`` (a column of the stacked trajectory; its SD3 loop hides
     this behind the classifier-free guidance ``cat``): no kept call computed the same
     function, and Retain served none of the first window's calls (0 of 6 on a tiny FLUX, 6 of
-    6 with the copy), recomputing each. The copy costs one pass over such an input per call;
-    a wrapped function that writes into its arguments is refused anyway
-    (``capture/conventions.py``), and the copy is differentiable, so a caller's gradient
-    reaches the tensor it passed. An output that is an input (or a view of one) is then the
-    copy (or a view of it), with the same values."""
-    from torch.utils._pytree import tree_map
+    6 with the copy), recomputing each.
+
+    What is left as it is, and why:
+
+    - lists and dicts, with what they hold: the wrapped function may write into them (a cache,
+      a list it appends to), and a rebuilt one would take those writes away from the caller;
+    - an ``nn.Parameter`` (a copy is a plain tensor: the step would no longer see a
+      parameter) and tensor subclasses;
+    - an expanded tensor (a stride 0 along a dim: a broadcast mask, FlowGRPO's
+      ``guidance.expand(B)``): its copy could be many times its memory, and a kept call would
+      hold it;
+    - a dense or channels-last tensor.
+
+    One copy per tensor: a tensor passed twice is one copy passed twice (one graph input, as
+    the rollout's). The copy is differentiable, so a caller's gradient reaches the tensor it
+    passed; a wrapped function that writes into a tensor argument is refused anyway
+    (``capture/conventions.py``); an output that is an input is given back as the caller's
+    tensor (``LeanStep.__call__``), a view of one is a view of the copy."""
+    copies: dict[int, Tensor] = {}
+    made: dict[int, Tensor] = {}
 
     def dense(value):
-        if isinstance(value, Tensor) and type(value) in (Tensor, torch.nn.Parameter) and \
-                not is_dense(value):
-            return value.contiguous()
+        if isinstance(value, Tensor):
+            if not to_copy(value):
+                return value
+            copy = made.get(id(value))
+            if copy is None:
+                copy = made[id(value)] = value.contiguous()
+                copies[id(copy)] = value
+            return copy
+        if isinstance(value, tuple):
+            items = [dense(v) for v in value]
+            if all(a is b for a, b in zip(items, value)):
+                return value
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
         return value
 
-    return tree_map(dense, (args, kwargs))
+    return tuple(dense(a) for a in args), {k: dense(v) for k, v in kwargs.items()}, copies
+
+
+def given_back(out, copies: dict[int, Tensor]):
+    """``out`` (a wrapped call's result) with each output that is one of ``densely``'s copies
+    replaced by the caller's tensor, at the top level and inside tuples and lists."""
+    if isinstance(out, Tensor):
+        return copies.get(id(out), out)
+    if isinstance(out, tuple):
+        items = [given_back(v, copies) for v in out]
+        if all(a is b for a, b in zip(items, out)):
+            return out
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    if isinstance(out, list):
+        return [given_back(v, copies) for v in out]
+    return out

@@ -8,6 +8,7 @@ reason). Its parts: a trained rollout call kept (``keep.py``), row keys and matc
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from collections import Counter
@@ -319,10 +320,14 @@ def warn_little_reuse(kept_rows: bool, stats: StepStats, calls: int, reused: int
         return
     reasons = Counter(stats.recomputed)
     reasons.subtract(recomputed)
-    ranked = sorted(((n, r) for r, n in reasons.items() if n > 0), key=lambda nr: -nr[0])
-    said = "; ".join(f"({n} x) {r}" for n, r in ranked[:3]) or "unknown"
+    causes = Counter()  # one cause whichever row a call's reason names ("row 3: ...")
+    for reason, n in reasons.items():
+        if n > 0:
+            causes[re.sub(r"^row \d+: ", "", reason)] += n
+    ranked = sorted(causes.items(), key=lambda rn: -rn[1])
+    said = " | ".join(f"({n} x) {r}" for r, n in ranked[:3]) or "unknown"
     if len(ranked) > 3:
-        said += f"; and {len(ranked) - 3} more"
+        said += f" | and {len(ranked) - 3} more"
     warnings.warn(
         f"update(): {reused} of {calls} calls reused what the rollout kept; the reasons for "
         f"the others, most frequent first: {said}. If the rollout trains the wrong calls "
