@@ -466,6 +466,51 @@ def test_a_strided_call_keeps_what_the_caller_sees(compiler):
     assert _rel(weight.grad, expected) <= 1e-6
 
 
+class CheckpointedAttention(nn.Module):
+    """Attention at ``dropout_p=0`` under ``torch.utils.checkpoint`` (FlowGRPO's
+    ``train_wan2_1.py`` turns diffusers' gradient checkpointing on)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = nn.Linear(D, 3 * D)
+
+    def block(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, H, D // H)).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def test_checkpointed_attention_is_refused_with_the_checkpointing_fix():
+    """Torch's checkpointing wraps an attention op in ``run_and_save_rng_state`` (its
+    random-number tag, whatever ``dropout_p``), and the step is refused as drawing random
+    numbers. The message said to call ``model.eval()``, which the model already was; it now
+    names checkpointing and its two fixes. (Refused, not read through: which rows the
+    checkpointed region's outputs hold is not proved, and a probe that read ``dropout_p``
+    through the wrapper served rows that a batch mean had mixed.) Recompute runs it."""
+    model = CheckpointedAttention().eval()
+    x = torch.randn(2, S, D)
+    step = leancompile.lean_compile(model, backend="aot_eager", schedule="retain")
+    from leancompile.capture import RandomOpInGraphError
+
+    with pytest.raises(RandomOpInGraphError,
+                       match="disable_gradient_checkpointing"), step.rollout(), torch.no_grad():
+        step(x)
+    step = leancompile.lean_compile(CheckpointedAttention(), backend="aot_eager",
+                                    schedule="recompute")
+    with step.rollout(), torch.no_grad():
+        step(x)
+    with step.update():
+        step(x).square().sum().backward()
+    model.zero_grad()
+    model.block(x).square().sum().backward()
+    assert _rel(_grads(step.module), _grads(model)) <= 1e-6
+
+
 def test_the_reuse_warning_names_every_reason(base):
     """Two optimizer steps per rollout: the second window's "parameters changed" counts as many
     calls as whatever stopped the first window, and the warning named one reason of a tie

@@ -35,9 +35,9 @@ The modules, one job each (imports run down this list):
 """
 
 from .assemble import capture_graph
-from .random_ops import RandomOpInGraphError
+from .random_ops import RandomOpInGraphError, checkpointing_advice
 from .roles import InputRole
 from .step_graphs import StepGraphs
 from .trace import without_saved
 
-__all__ = ["RandomOpInGraphError", "InputRole", "StepGraphs", "capture_graph", "without_saved"]
+__all__ = ["RandomOpInGraphError", "checkpointing_advice", "InputRole", "StepGraphs", "capture_graph", "without_saved"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["RandomOpInGraphError", "random_ops"]
+__all__ = ["RandomOpInGraphError", "random_ops", "checkpointing_advice"]
 
 
 class RandomOpInGraphError(RuntimeError):
@@ -74,3 +74,20 @@ def _describe(node: fx.Node) -> str:
 def random_ops(gm: fx.GraphModule) -> list[str]:
     """Each op of ``gm`` that draws random numbers, named with the module it sits in."""
     return [_describe(n) for n in gm.graph.nodes if n.op == "call_function" and _draws_random(n)]
+
+
+def checkpointing_advice(ops: list[str]) -> str:
+    """The fix to name when some of ``ops`` (``random_ops``' descriptions) are ops activation
+    checkpointing recomputes: torch's checkpointing wraps every op tagged as drawing random
+    numbers in ``run_and_save_rng_state``, and its attention ops carry that tag whatever
+    their ``dropout_p`` (0 in a diffusion transformer), so a checkpointed attention is
+    refused here although it draws nothing (FlowGRPO's ``train_wan2_1.py`` turns
+    checkpointing on). Refused rather than read through: which rows a checkpointed region's
+    outputs hold is not yet proved (``passes/row_walk.py`` does not follow the wrapper)."""
+    if not any("run_and_save_rng_state" in op for op in ops):
+        return ""
+    return (" These are ops that activation checkpointing recomputes (an attention op is "
+            "refused so even at dropout_p=0): turn gradient checkpointing off for this step "
+            "(diffusers: transformer.disable_gradient_checkpointing()), or use "
+            "schedule='recompute'.")
+
