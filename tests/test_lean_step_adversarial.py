@@ -511,6 +511,31 @@ def test_checkpointed_attention_is_refused_with_the_checkpointing_fix():
     assert _rel(_grads(step.module), _grads(model)) <= 1e-6
 
 
+def test_a_view_of_an_input_that_requires_grad_is_refused_with_the_fix():
+    """A step returning ``x[:, 0]`` (or ``x.t()``) of an ``x`` that requires grad: the step's
+    backward graph has no tangent for such an output (AOTAutograd regenerates the view on the
+    input outside its graph), and the backward raised an internal error ("dimensionality of
+    sizes (1) must match dimensionality of strides (2)", "forward() takes 5 positional
+    arguments but 6 were given"). Refused at the first call with the fix; returning the input
+    itself, or a view of an input without grad, still runs."""
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 5)
+    x = torch.randn(4, 5, requires_grad=True)
+    for view in (lambda v: v[:, 0], lambda v: v.t()):
+        step = leancompile.lean_compile(lambda v, view=view: (view(v), lin(v)),
+                                        backend="aot_eager", schedule="retain")
+        with pytest.raises(Exception, match="is a view of its input .*requires grad.*clone"):
+            step(x)
+    step = leancompile.lean_compile(lambda v: (v, lin(v)), backend="aot_eager",
+                                    schedule="retain")
+    a, b = step(x)
+    (a.square().sum() + b.square().sum()).backward()
+    got = x.grad.clone()
+    x.grad = None
+    (x.square().sum() + lin(x).square().sum()).backward()
+    assert torch.equal(got, x.grad)
+
+
 def test_the_reuse_warning_names_every_reason(base):
     """Two optimizer steps per rollout: the second window's "parameters changed" counts as many
     calls as whatever stopped the first window, and the warning named one reason of a tie

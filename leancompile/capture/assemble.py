@@ -73,7 +73,7 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
     if "backward" in captured and fw_meta is not None:
         forward, _ = captured["forward"]
         backward, _ = captured["backward"]
-        output_types, output_bases = output_aliases(fw_meta)
+        output_types, output_bases = output_aliases(fw_meta, [r.source for r in roles])
         num_outputs = len(fw_meta.output_info)
         differentiable = [i for i, info in enumerate(fw_meta.output_info) if info.requires_grad]
         saved_names, bw_saved = saved_order(forward, backward, num_outputs)

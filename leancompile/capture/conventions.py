@@ -28,10 +28,11 @@ _VIEW_TARGETS = {
 }
 
 
-def output_aliases(fw_meta) -> tuple[list[str], list[int | None]]:
+def output_aliases(fw_meta, names=None) -> tuple[list[str], list[int | None]]:
     """(per output of the forward's ``ViewAndMutationMeta``: ``fresh``, ``input`` or ``view``;
-    the input it is or views, else None). A function that mutates an input, or returns a view
-    of an intermediate, is refused (``ValueError``, with the fix)."""
+    the input it is or views, else None; ``names``: the inputs' names for the messages). A
+    function that mutates an input, returns a view of an intermediate, or returns a view of an
+    input that requires grad, is refused (``ValueError``, with the fix)."""
     if fw_meta.num_mutated_inp_runtime_indices or fw_meta.num_intermediate_bases:
         raise ValueError(
             "the wrapped function mutates an input in place or returns a view of an "
@@ -47,6 +48,16 @@ def output_aliases(fw_meta) -> tuple[list[str], list[int | None]]:
         if kind == "is_input":
             output_types[i], output_bases[i] = "input", info.base_idx
         elif kind == "alias_of_input":
+            if info.requires_grad:
+                # Its gradient would have to reach the input through the view, outside the
+                # backward graph (AOTAutograd regenerates such a view on the input): the
+                # step's own backward has no tangent for it, and ran into an internal error
+                # (sizes against another output's strides, or too many tangents).
+                base = info.base_idx if names is None else names[info.base_idx]
+                raise ValueError(
+                    f"output {i} of the wrapped function is a view of its input {base}, "
+                    "which requires grad; return a fresh tensor (e.g. .clone()), or return the "
+                    "input itself and take the view outside the step")
             output_types[i], output_bases[i] = "view", info.base_idx
         else:
             raise ValueError(f"output {i} of the wrapped function aliases an intermediate "
