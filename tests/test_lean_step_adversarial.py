@@ -536,6 +536,21 @@ def test_a_view_of_an_input_that_requires_grad_is_refused_with_the_fix():
     assert torch.equal(got, x.grad)
 
 
+def test_a_wrapper_subclass_argument_is_refused_with_the_fix():
+    """A tensor subclass that wraps inner tensors (torch's ``TwoTensor``; a DTensor alike)
+    reaches the traced graphs as its inner tensors: the step's own bookkeeping of inputs
+    raised an internal ``IndexError``. Refused, naming the argument and the fix."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 5)
+    step = leancompile.lean_compile(lambda x, y: lin(x) + y.sum(), backend="aot_eager",
+                                    schedule="retain")
+    y = TwoTensor(torch.randn(4, 5), torch.randn(4, 5))
+    with pytest.raises(Exception, match=r"plain tensors.*TwoTensor.*to_local"):
+        step(torch.randn(4, 5), y)
+
+
 def test_the_reuse_warning_names_every_reason(base):
     """Two optimizer steps per rollout: the second window's "parameters changed" counts as many
     calls as whatever stopped the first window, and the warning named one reason of a tie

@@ -46,6 +46,7 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
     the backward instead of saved full-size (``passes/regather_params.py``; ``regather`` in
     the result says which)."""
     roles, symbol = input_roles(gm, example_inputs)
+    _refuse_wrapper_subclasses(example_inputs, roles)
     patches = {"enable_autograd_cache": False}
     if memory_budget is not None:  # the partitioner saves less and recomputes more
         patches["activation_memory_budget"] = memory_budget
@@ -107,3 +108,21 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
     graphs.defer_compile(lambda graph, phase: compile_graph(
         graph, phase, compiler=compiler, graph_pass=graph_pass))
     return graphs
+
+
+def _refuse_wrapper_subclasses(example_inputs, roles) -> None:
+    """A tensor subclass that wraps inner tensors (``__tensor_flatten__``: DTensor, torch's
+    ``TwoTensor``) reaches the traced graphs as its inner tensors, one graph input each, where
+    the step keys rows, fingerprints and kept tensors by the call's own inputs (it raised an
+    internal ``IndexError``). Refused with the inputs named and the fix."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    wrapped = [f"{roles[i].source} ({type(v).__name__})" for i, v in enumerate(example_inputs)
+               if is_traceable_wrapper_subclass(v)]
+    if wrapped:
+        raise TypeError(
+            f"LeanGRPO's step takes plain tensors; {', '.join(wrapped[:4])} "
+            f"{'is a tensor subclass' if len(wrapped) == 1 else 'are tensor subclasses'} "
+            "that wraps inner tensors: pass the plain tensors (a DTensor's .to_local() or "
+            ".full_tensor()), or compile with plain torch.compile")
+
