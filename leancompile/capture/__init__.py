@@ -40,4 +40,5 @@ from .roles import InputRole
 from .step_graphs import StepGraphs
 from .trace import without_saved
 
-__all__ = ["RandomOpInGraphError", "checkpointing_advice", "InputRole", "StepGraphs", "capture_graph", "without_saved"]
+__all__ = ["RandomOpInGraphError", "checkpointing_advice", "InputRole", "StepGraphs",
+           "capture_graph", "without_saved"]

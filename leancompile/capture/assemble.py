@@ -125,4 +125,3 @@ def _refuse_wrapper_subclasses(example_inputs, roles) -> None:
             f"{'is a tensor subclass' if len(wrapped) == 1 else 'are tensor subclasses'} "
             "that wraps inner tensors: pass the plain tensors (a DTensor's .to_local() or "
             ".full_tensor()), or compile with plain torch.compile")
-

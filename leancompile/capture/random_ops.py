@@ -90,4 +90,3 @@ def checkpointing_advice(ops: list[str]) -> str:
             "refused so even at dropout_p=0): turn gradient checkpointing off for this step "
             "(diffusers: transformer.disable_gradient_checkpointing()), or use "
             "schedule='recompute'.")
-

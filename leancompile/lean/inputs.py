@@ -100,10 +100,7 @@ def densely(args, kwargs):
                 copies[id(copy)] = value
             return copy
         if isinstance(value, tuple):
-            items = [dense(v) for v in value]
-            if all(a is b for a, b in zip(items, value)):
-                return value
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+            return _rebuilt(value, [dense(v) for v in value])
         return value
 
     return tuple(dense(a) for a in args), {k: dense(v) for k, v in kwargs.items()}, copies
@@ -115,10 +112,15 @@ def given_back(out, copies: dict[int, Tensor]):
     if isinstance(out, Tensor):
         return copies.get(id(out), out)
     if isinstance(out, tuple):
-        items = [given_back(v, copies) for v in out]
-        if all(a is b for a, b in zip(items, out)):
-            return out
-        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+        return _rebuilt(out, [given_back(v, copies) for v in out])
     if isinstance(out, list):
         return [given_back(v, copies) for v in out]
     return out
+
+
+def _rebuilt(value: tuple, items: list) -> tuple:
+    """``value`` (a tuple or namedtuple) holding ``items``: ``value`` itself when nothing
+    changed."""
+    if all(a is b for a, b in zip(items, value)):
+        return value
+    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)

@@ -324,7 +324,7 @@ def warn_little_reuse(kept_rows: bool, stats: StepStats, calls: int, reused: int
     for reason, n in reasons.items():
         if n > 0:
             causes[re.sub(r"^row \d+: ", "", reason)] += n
-    ranked = sorted(causes.items(), key=lambda rn: -rn[1])
+    ranked = causes.most_common()
     said = " | ".join(f"({n} x) {r}" for r, n in ranked[:3]) or "unknown"
     if len(ranked) > 3:
         said += f" | and {len(ranked) - 3} more"
