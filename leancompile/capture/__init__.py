@@ -35,10 +35,10 @@ The modules, one job each (imports run down this list):
 """
 
 from .assemble import capture_graph
-from .random_ops import RandomOpInGraphError, checkpointing_advice
+from .random_ops import RandomOpInGraphError, checkpointing_advice, without_rng_wrappers
 from .roles import InputRole
 from .step_graphs import StepGraphs
 from .trace import without_saved
 
 __all__ = ["RandomOpInGraphError", "checkpointing_advice", "InputRole", "StepGraphs",
-           "capture_graph", "without_saved"]
+           "capture_graph", "without_rng_wrappers", "without_saved"]

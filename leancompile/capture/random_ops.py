@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["RandomOpInGraphError", "random_ops", "checkpointing_advice"]
+__all__ = ["RandomOpInGraphError", "random_ops", "checkpointing_advice",
+           "without_rng_wrappers"]
 
 
 class RandomOpInGraphError(RuntimeError):
@@ -23,24 +24,31 @@ class RandomOpInGraphError(RuntimeError):
 
 def _draws_random(node: fx.Node) -> bool:
     """A seeded op draws random numbers unless its dropout probability is 0 (attention ops
-    carry the tag for their ``dropout_p``) or it runs with ``train=False``. A random op that
+    carry the tag for their ``dropout_p``) or it runs with ``train=False``. A seeded op that
     activation checkpointing recomputes in the backward is wrapped by the partitioner
-    (``run_and_save_rng_state(aten.rand, ...)``): it draws as the op it wraps."""
+    (``run_and_save_rng_state(aten.rand, ...)``, and an attention op at ``dropout_p=0`` too):
+    it draws as the op it wraps, with the arguments after it."""
     if isinstance(node.target, torch._ops.HigherOrderOperator) and \
             "rng_state" in node.target.name():
         op = _wrapped_op(node)
-        return op is None or torch.Tag.nondeterministic_seeded in op.tags
-    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        if op is None:
+            return True
+        return _draws(op, node.args[node.args.index(op) + 1:], node.kwargs)
+    return _draws(node.target, node.args, node.kwargs)
+
+
+def _draws(target, args, kwargs) -> bool:
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
         return False
-    schema = getattr(node.target, "_schema", None)
+    schema = getattr(target, "_schema", None)
     if schema is None:
         return True
     values = {}
     for i, arg in enumerate(schema.arguments):
-        if i < len(node.args):
-            values[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            values[arg.name] = node.kwargs[arg.name]
+        if i < len(args):
+            values[arg.name] = args[i]
+        elif arg.name in kwargs:
+            values[arg.name] = kwargs[arg.name]
         elif arg.has_default_value():
             values[arg.name] = arg.default_value
     if values.get("train") is False:
@@ -76,17 +84,50 @@ def random_ops(gm: fx.GraphModule) -> list[str]:
     return [_describe(n) for n in gm.graph.nodes if n.op == "call_function" and _draws_random(n)]
 
 
+def without_rng_wrappers(gm: fx.GraphModule) -> int:
+    """Call, in place, each op that checkpointing's wrappers recompute with a saved generator
+    state but that draws nothing (an attention at ``dropout_p=0``) as the bare op: the same
+    values, and ``torch.func.vmap`` (Reweight's per-row backward) has rules for the op and none
+    for the wrapper. Returns how many were unwrapped; a wrapped op that draws stays.
+
+    Before (a backward graph of a checkpointed attention)::
+
+        rerun = run_with_rng_state(getitem_2, aten._scaled_dot_product_flash_attention,
+                                   permute_1, permute_3, permute_5)
+
+    After::
+
+        rerun = aten._scaled_dot_product_flash_attention(permute_1, permute_3, permute_5)
+    """
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or \
+                not isinstance(node.target, torch._ops.HigherOrderOperator) or \
+                "rng_state" not in node.target.name():
+            continue
+        op = _wrapped_op(node)
+        if node.target.name() != "run_with_rng_state" or op is None:
+            continue
+        args = node.args[node.args.index(op) + 1:]
+        if _draws(op, args, node.kwargs):
+            continue
+        node.target, node.args = op, tuple(args)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 def checkpointing_advice(ops: list[str]) -> str:
     """The fix to name when some of ``ops`` (``random_ops``' descriptions) are ops activation
-    checkpointing recomputes: torch's checkpointing wraps every op tagged as drawing random
-    numbers in ``run_and_save_rng_state``, and its attention ops carry that tag whatever
-    their ``dropout_p`` (0 in a diffusion transformer), so a checkpointed attention is
-    refused here although it draws nothing (FlowGRPO's ``train_wan2_1.py`` turns
-    checkpointing on). Refused rather than read through: which rows a checkpointed region's
-    outputs hold is not yet proved (``passes/row_walk.py`` does not follow the wrapper)."""
+    checkpointing recomputes (wrapped in ``run_and_save_rng_state``): a checkpointed op that
+    draws (dropout at ``p > 0``) cannot be run again the same, and turning checkpointing off
+    for the step is a fix besides ``model.eval()`` or ``schedule='recompute'``. (A checkpointed
+    attention at ``dropout_p=0``, a diffusion transformer's under FlowGRPO's
+    ``train_wan2_1.py`` or DanceGRPO's ``--gradient_checkpointing``, draws nothing and is not
+    refused.)"""
     if not any("run_and_save_rng_state" in op for op in ops):
         return ""
-    return (" These are ops that activation checkpointing recomputes (an attention op is "
-            "refused so even at dropout_p=0): turn gradient checkpointing off for this step "
-            "(diffusers: transformer.disable_gradient_checkpointing()), or use "
-            "schedule='recompute'.")
+    return (" These are ops that activation checkpointing recomputes: turn gradient "
+            "checkpointing off for this step (diffusers: "
+            "transformer.disable_gradient_checkpointing()), or use schedule='recompute'.")

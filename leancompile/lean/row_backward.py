@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from ..capture import StepGraphs
+from ..capture import StepGraphs, without_rng_wrappers
 from ..passes.coalesced_sync import find_gradient_reductions, take_out_reductions
 from ..runtime.accumulate import accumulating
 from ..runtime.frameless import frameless
@@ -66,7 +66,8 @@ class RowBackward:
         """The aten backward graph with slice ends of "to the end" (``2**63 - 1``, which
         vmap's batching rules overflow) spelled as None, and ops without a batching rule
         swapped for their twins with one (``runtime/vmap_ops.py``: attention's CPU backward,
-        sequence parallelism's all-to-alls)."""
+        sequence parallelism's all-to-alls), and checkpointing's generator-state wrappers
+        taken off ops that draw nothing (``capture/random_ops.py``)."""
         if self._vmappable is None:
             gm = copy.deepcopy(self.g.backward_aten)
             if self.defer_reductions:
@@ -79,6 +80,7 @@ class RowBackward:
                             f"{n}: {why}" for n, why in stuck))
                 gm = take_out_reductions(gm, found)
                 self.deferred_outputs = {i for site in found.sites for i in site.outputs}
+            without_rng_wrappers(gm)  # (checkpointing's, around ops that draw nothing)
             vmap_friendly(gm)
             for node in gm.graph.nodes:
                 if node.op == "call_function" and node.target in SLICES:

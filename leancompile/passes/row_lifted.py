@@ -39,7 +39,9 @@ class Lifted:
     What may read it keeps the rows in dim 1: an expand of dim 0, a clone; a collective over
     dim 0 (all-to-all, all-gather, their wait), a split, slice or cat along dim 0 (``blocks``
     changes); a permute that keeps dims 0 and 1, or brings dim 1 back to dim 0 (``base``
-    again); a view that merges dims 0 and 1 (``RowLayout(blocks * base.outer, base.inner)``).
+    again), and so does a select or unbind of dim 0 (a one-projection attention's
+    ``qkv.permute(2, 0, 3, 1, 4).unbind(0)``); a view that merges dims 0 and 1
+    (``RowLayout(blocks * base.outer, base.inner)``).
     Anything else is ``Mixed``, and so is a graph output or saved tensor left in this layout.
 
     A collective is row by row only when every rank of its group holds the same rows in the
@@ -66,8 +68,10 @@ def lifted_layout(node: fx.Node, source: fx.Node, count: int, state: dict, symbo
     if target in SPLIT_LIKE and count == 1 and isinstance(val, (tuple, list)):
         dim = norm_dim(node_arg(node, 1, "dim", 0) if target is aten.unbind.int
                     else node_arg(node, 2, "dim", 0), src.dim())
-        if target is aten.unbind.int or dim == 1:
+        if dim == 1:
             return outside
+        if target is aten.unbind.int:  # (dim 0) each piece has the rows in its dim 0
+            return tuple(lay.base for _ in val)
         return tuple(Lifted(static_size(v.shape[0]) if dim == 0 else lay.blocks, lay.base)
                      for v in val)
     if target is aten.cat.default:
@@ -86,6 +90,10 @@ def lifted_layout(node: fx.Node, source: fx.Node, count: int, state: dict, symbo
         return outside
     if target in (aten.clone.default, aten.contiguous.default) or target in waits:
         return lay
+    if target is aten.select.int and norm_dim(node.args[1], src.dim()) == 0:
+        # One block: the rows come back to dim 0 (``q, k, v = qkv.permute(2, 0, 3, 1, 4)``,
+        # then ``qkv[0]`` or ``unbind(0)``, an attention with one projection for all three).
+        return lay.base
     if target in exchanges and node_arg(node, exchanges[target], "group_name") not in \
             same_rows_groups():
         return Mixed(f"{op_label(node)}: a collective over a group not declared to hold the "

@@ -1,6 +1,20 @@
 """The walk of the row-layout analysis (``row_layout.py``): every node of a forward graph
 traced with a symbolic batch gets its layout from its inputs' and its op's rule
 (``row_rules.py``; a tensor with the batch in dim 1: ``row_lifted.py``).
+
+An op that activation checkpointing recomputes in the backward and that carries a random-number
+tag is wrapped by the partitioner; the wrapper is followed as the op it calls, its first output
+(the generator's state) holding no batch::
+
+    run_and_save_rng_state = run_and_save_rng_state(aten._scaled_dot_product_flash_attention,
+                                                    permute_1, permute_3, permute_5)
+    getitem_2 = run_and_save_rng_state[0]    # the generator's state: None
+    getitem_3 = run_and_save_rng_state[1]    # the attention's outputs: as the op's rule says
+    getitem = getitem_3[0]                   #   one row per sample
+
+A node the walk cannot see into (no traced value, or an output nested in a tuple that no rule
+reads) is ``Mixed`` when a batch-carrying tensor goes in: not knowing where the rows went is
+never taken for "no batch".
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ from .row_types import (Mixed, RowLayout, Uniform, batch_dim0, dim0_of, has_symb
 __all__ = ["find_row_layouts"]
 
 aten = torch.ops.aten
+RNG_WRAPPER = torch.ops.higher_order.run_and_save_rng_state
 
 
 class _Analysis:
@@ -80,6 +95,10 @@ class _Analysis:
                 return source[node.args[1]]
             return source
         carrying = [a for a, lay in zip(inputs, layouts) if isinstance(lay, (RowLayout, tuple))]
+        if node.target is RNG_WRAPPER:
+            return self.wrapped(node, carrying)
+        if val is None and carrying:
+            return Mixed(f"{op_label(node)}: no traced value to follow the batch through")
         if isinstance(val, (tuple, list)):
             return self.multi(node, carrying, val)
         if not isinstance(val, torch.Tensor):
@@ -102,6 +121,26 @@ class _Analysis:
             # another rank's rows into this one's (a reduction adds them).
             return Mixed(f"{op_label(node)}: a collective over the batch dim")
         return self.single(node, carrying, shaped, val)
+
+    def wrapped(self, node, carrying):
+        """``run_and_save_rng_state(op, *args)``: (the generator's state, ``op(*args)``), the
+        second laid out as ``op``'s rule says, on a stand-in node of ``op`` that carries the
+        value the partitioner put on ``getitem(node, 1)``."""
+        op = next((a for a in node.args if isinstance(a, torch._ops.OpOverload)), None)
+        value = next((node_val(u) for u in node.users
+                      if u.target is operator.getitem and u.args[1] == 1), None)
+        if op is None or value is None:
+            return Mixed(f"{op_label(node)}: a wrapped op this analysis cannot see")
+        scratch = fx.Graph()
+        stand_in = scratch.create_node("call_function", op,
+                                       tuple(node.args[node.args.index(op) + 1:]),
+                                       dict(node.kwargs), name=node.name)
+        stand_in.meta["val"] = value
+        try:  # (the stand-in is a user of the real inputs until it is erased)
+            layout = self.visit(stand_in)
+        finally:
+            scratch.erase_node(stand_in)
+        return (None, layout)
 
     def batch_size_as_value(self, node):
         """The batch-dependent size an op takes as a value (a scalar operand, a fill value:
@@ -138,6 +177,9 @@ class _Analysis:
         base = self.state[carrying[0]]
         out = []
         for v in vals:
+            if isinstance(v, (tuple, list)):  # read by nothing this walk follows
+                out.append(Mixed(f"{op_label(node)}: an output nested in a tuple"))
+                continue
             if not isinstance(v, torch.Tensor):
                 out.append(None)
                 continue

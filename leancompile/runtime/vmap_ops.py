@@ -165,7 +165,8 @@ def _is_collective(node) -> bool:
 def vmap_friendly(gm) -> None:
     """Swap, in place, the ops of ``gm`` that vmap cannot batch for their twins with a rule
     (``VMAP_REPLACEMENTS``; the size reads ``SIZE_READS`` for tensor methods; a functional
-    all-to-all with its single wait for ``leancompile::all_to_all_single``)."""
+    all-to-all with its single wait for ``leancompile::all_to_all_single``; views for
+    reshapes, which hold whatever layout a batching rule gives)."""
     waits = (_funcol.wait_tensor.default,)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
@@ -174,6 +175,11 @@ def vmap_friendly(gm) -> None:
             node.target = VMAP_REPLACEMENTS[node.target]
         elif node.target in SIZE_READS:
             node.target = SIZE_READS[node.target]
+        elif node.target is _aten.view.default:
+            # A view spells the strides the trace saw; under vmap a tensor the graph computes
+            # (checkpointing's recomputed attention) may come out of a batching rule in
+            # another layout. reshape is the view where one exists, a copy where not.
+            node.target = _aten.reshape.default
         elif node.target is _funcol.all_to_all_single.default and len(node.users) == 1 and \
                 next(iter(node.users)).target in waits:
             wait = next(iter(node.users))
