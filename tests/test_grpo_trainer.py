@@ -95,7 +95,11 @@ def test_flux_with_kl_schedules_match_recompute_and_eager():
 
 
 def test_wan_cfg_with_kl_schedules_match_recompute_and_eager():
+    """With diffusers' gradient checkpointing on, as FlowGRPO's ``train_wan2_1.py`` trains Wan
+    (the FLUX tests above run without it): the checkpointed attention, wrapped by torch in
+    ``run_and_save_rng_state``, is kept, regrouped and vmapped like any other."""
     policy = tiny_wan_policy()
+    policy.transformer.enable_gradient_checkpointing()
     reference = copy.deepcopy(policy)
     config = GRPOConfig(sde="dance_grpo", eta=0.3, group_size=2, beta=0.05, reference="copy")
     trainer = GRPOTrainer(policy, mean_latent_reward, None, config)
