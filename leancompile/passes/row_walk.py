@@ -96,7 +96,7 @@ class _Analysis:
             return source
         carrying = [a for a, lay in zip(inputs, layouts) if isinstance(lay, (RowLayout, tuple))]
         if node.target is RNG_WRAPPER:
-            return self.wrapped(node, carrying)
+            return self.wrapped(node)
         if val is None and carrying:
             return Mixed(f"{op_label(node)}: no traced value to follow the batch through")
         if isinstance(val, (tuple, list)):
@@ -122,7 +122,7 @@ class _Analysis:
             return Mixed(f"{op_label(node)}: a collective over the batch dim")
         return self.single(node, carrying, shaped, val)
 
-    def wrapped(self, node, carrying):
+    def wrapped(self, node):
         """``run_and_save_rng_state(op, *args)``: (the generator's state, ``op(*args)``), the
         second laid out as ``op``'s rule says, on a stand-in node of ``op`` that carries the
         value the partitioner put on ``getitem(node, 1)``."""
