@@ -92,7 +92,8 @@ def test_the_batch_behind_a_dim_of_pieces_is_mixed_when_rows_meet_or_it_stays_th
 def test_one_projection_for_query_key_and_value_picked_out_of_a_dim_of_pieces():
     """``qkv(x).unflatten(-1, (3, H, D)).permute(2, 0, 3, 1, 4)`` puts the three projections
     in dim 0 and the batch in dim 1; ``unbind(0)`` or ``[i]`` brings each back with the rows in
-    dim 0. Picking along dim 1, or summing the pieces of the batch, is still Mixed."""
+    dim 0. Picking along dim 1, summing the pieces of the batch, or unbinding a later dim (the
+    rows stay in dim 1) is still Mixed."""
     def unbound(x):
         q, k, v = x.unflatten(-1, (3, 2, 2)).permute(2, 0, 3, 1, 4).unbind(0)
         return q * k + v
@@ -101,10 +102,15 @@ def test_one_projection_for_query_key_and_value_picked_out_of_a_dim_of_pieces():
         qkv = x.unflatten(-1, (3, 2, 2)).permute(2, 0, 3, 1, 4)
         return qkv[0] + qkv[2], qkv[:, 0], qkv.sum(1)
 
+    def unbound_later(x):  # (the adversarial review's find: a later dim leaves them in dim 1)
+        return x.unflatten(-1, (3, 2, 2)).permute(2, 0, 3, 1, 4).unbind(2)[0]
+
     assert _layouts(unbound, (4, 5, 12)) == [RowLayout(1, 1)]
     picked, across, summed = _layouts(selected, (4, 5, 12))
     assert picked == RowLayout(1, 1)
     assert isinstance(across, Mixed) and isinstance(summed, Mixed)
+    (later,) = _layouts(unbound_later, (4, 5, 12))
+    assert isinstance(later, Mixed) and "outside dim 0" in later.reason
 
 
 @pytest.fixture

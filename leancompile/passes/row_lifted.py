@@ -70,8 +70,8 @@ def lifted_layout(node: fx.Node, source: fx.Node, count: int, state: dict, symbo
                     else node_arg(node, 2, "dim", 0), src.dim())
         if dim == 1:
             return outside
-        if target is aten.unbind.int:  # (dim 0) each piece has the rows in its dim 0
-            return tuple(lay.base for _ in val)
+        if target is aten.unbind.int:  # of dim 0: the rows back in dim 0; of a later dim:
+            return tuple(lay.base if dim == 0 else lay for _ in val)  # still in dim 1
         return tuple(Lifted(static_size(v.shape[0]) if dim == 0 else lay.blocks, lay.base)
                      for v in val)
     if target is aten.cat.default:
