@@ -544,17 +544,27 @@ def test_a_batch_mean_inside_a_checkpointed_region_is_not_regrouped():
     assert _rel(got, want) <= 1e-6
 
 
-def test_checkpointed_dropout_is_refused_with_the_checkpointing_fix():
-    """A checkpointed attention that does draw (``dropout_p > 0`` in training): two runs of it
-    are not the same forward. Refused, naming checkpointing and its fixes (the message used to
-    say only ``model.eval()``)."""
+def test_checkpointed_dropout_is_refused_with_fixes_that_fix_it():
+    """A checkpointed attention that does draw: ``dropout_p > 0`` in training, and
+    ``dropout_p > 0`` passed to ``F.scaled_dot_product_attention`` by a model in ``eval()``
+    (the argument, not the module's mode, decides). Two runs of it are not the same forward:
+    refused, naming the fixes that fix it. Turning checkpointing off is not one (the
+    adversarial review: the message named it, and the op draws without checkpointing too);
+    ``dropout_p=0`` is."""
     from leancompile.capture import RandomOpInGraphError
 
-    step = leancompile.lean_compile(CheckpointedAttention(p=0.1).train(), backend="aot_eager",
-                                    schedule="retain")
-    with pytest.raises(RandomOpInGraphError,
-                       match="disable_gradient_checkpointing"), step.rollout(), torch.no_grad():
-        step(torch.randn(2, S, D))
+    class AlwaysDrops(CheckpointedAttention):
+        def block(self, x):
+            q, k, v = self.qkv(x).unflatten(-1, (3, H, D // H)).permute(2, 0, 3, 1, 4)
+            return x + F.scaled_dot_product_attention(q, k, v, dropout_p=0.3).transpose(
+                1, 2).flatten(2)
+
+    for model in (CheckpointedAttention(p=0.1).train(), AlwaysDrops().eval()):
+        step = leancompile.lean_compile(model, backend="aot_eager", schedule="retain")
+        with pytest.raises(RandomOpInGraphError, match="dropout_p=0 to attention calls") as e, \
+                step.rollout(), torch.no_grad():
+            step(torch.randn(2, S, D))
+        assert "checkpointing" not in str(e.value), e.value
 
 
 def test_a_view_of_an_input_that_requires_grad_is_refused_with_the_fix():

@@ -35,10 +35,10 @@ The modules, one job each (imports run down this list):
 """
 
 from .assemble import capture_graph
-from .random_ops import RandomOpInGraphError, checkpointing_advice, without_rng_wrappers
+from .random_ops import RANDOM_FIXES, RandomOpInGraphError, without_rng_wrappers
 from .roles import InputRole
 from .step_graphs import StepGraphs
 from .trace import without_saved
 
-__all__ = ["RandomOpInGraphError", "checkpointing_advice", "InputRole", "StepGraphs",
+__all__ = ["RANDOM_FIXES", "RandomOpInGraphError", "InputRole", "StepGraphs",
            "capture_graph", "without_rng_wrappers", "without_saved"]

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["RandomOpInGraphError", "random_ops", "checkpointing_advice",
-           "without_rng_wrappers"]
+__all__ = ["RANDOM_FIXES", "RandomOpInGraphError", "random_ops", "without_rng_wrappers"]
 
 
 class RandomOpInGraphError(RuntimeError):
@@ -118,16 +117,11 @@ def without_rng_wrappers(gm: fx.GraphModule) -> int:
     return count
 
 
-def checkpointing_advice(ops: list[str]) -> str:
-    """The fix to name when some of ``ops`` (``random_ops``' descriptions) are ops activation
-    checkpointing recomputes (wrapped in ``run_and_save_rng_state``): a checkpointed op that
-    draws (dropout at ``p > 0``) cannot be run again the same, and turning checkpointing off
-    for the step is a fix besides ``model.eval()`` or ``schedule='recompute'``. (A checkpointed
-    attention at ``dropout_p=0``, a diffusion transformer's under FlowGRPO's
-    ``train_wan2_1.py`` or DanceGRPO's ``--gradient_checkpointing``, draws nothing and is not
-    refused.)"""
-    if not any("run_and_save_rng_state" in op for op in ops):
-        return ""
-    return (" These are ops that activation checkpointing recomputes: turn gradient "
-            "checkpointing off for this step (diffusers: "
-            "transformer.disable_gradient_checkpointing()), or use schedule='recompute'.")
+RANDOM_FIXES = ("Call model.eval() (dropout modules), pass dropout_p=0 to attention calls "
+                "that take it (F.scaled_dot_product_attention draws whatever the module's "
+                "mode), pass the noise in as an argument (a step that samples), or use "
+                "schedule='recompute'.")
+"""The fixes a refusal for random numbers names. Turning activation checkpointing off is not one
+of them: a checkpointed op that draws draws without checkpointing too, and one that draws
+nothing (an attention at ``dropout_p=0``, wrapped in ``run_and_save_rng_state`` for its tag) is
+not refused."""

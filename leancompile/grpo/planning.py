@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..capture import RandomOpInGraphError, checkpointing_advice
+from ..capture import RANDOM_FIXES, RandomOpInGraphError
 from ..lean import LeanStep, StepConfig
 from ..options import CompileOptions
 from ..passes.lean_grpo import (SchedulePlan, StepCosts, build_schedule_plans,
@@ -165,9 +165,7 @@ def plan_schedules(keys, example, mask, schedule: str, *, config, policy: nn.Mod
         raise RandomOpInGraphError(
             f"schedule={schedule!r}: the captured step draws random numbers "
             f"({', '.join(graph.random_ops)}{where}): running it again would not reproduce "
-            "the rollout's forward, so its graph cannot be reused. Call model.eval() "
-            "(dropout), or pass the noise in as an argument." +
-            checkpointing_advice(graph.random_ops))
+            "the rollout's forward, so its graph cannot be reused. " + RANDOM_FIXES)
     if schedule != "auto":
         return ScheduleChoice(schedule=schedule, reason=f"schedule={schedule!r} requested",
                               plans=plans)

@@ -11,7 +11,7 @@ import time
 import torch
 from torch import Tensor
 
-from ..capture import RandomOpInGraphError, checkpointing_advice
+from ..capture import RANDOM_FIXES, RandomOpInGraphError
 from ..runtime.reuse import storage_bytes, values_digest
 from .graphs import numel_per_row, output_shape
 from .state import KeptCall, buffer_bytes
@@ -46,9 +46,8 @@ class KeptRollout:
         if g.random_ops and schedule != "recompute":
             raise RandomOpInGraphError(
                 f"the wrapped step draws random numbers ({', '.join(g.random_ops[:3])}): an "
-                "update's forward would not repeat the rollout's, so nothing can be reused. "
-                "Call model.eval() (dropout), pass the noise in as an argument (a step that "
-                "samples), or use schedule='recompute'." + checkpointing_advice(g.random_ops))
+                "update's forward would not repeat the rollout's, so nothing can be reused. " +
+                RANDOM_FIXES)
         if g.sample_grad_outputs and schedule != "recompute":
             j = self.step.config.sample_output
             raise ValueError(
