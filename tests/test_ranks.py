@@ -3,11 +3,17 @@ runs every rank again once, with a warning naming its last stderr lines; a secon
 with them; a Python error in a rank fails at once."""
 
 import os
+import resource
 
 import pytest
 from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
 from ranks import RankCrashWarning, spawn
+
+
+def _abort():
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file, whatever the machine's limit
+    os.abort()
 
 
 def _abort_first_time(rank, marks, init):
@@ -17,7 +23,7 @@ def _abort_first_time(rank, marks, init):
         if not os.path.exists(os.path.join(marks, "aborted")):
             open(os.path.join(marks, "aborted"), "w").close()
             os.write(2, b"about to abort: run 1\n")
-            os.abort()
+            _abort()
         assert not os.path.exists(init), "the dead run's rendezvous file was left"
     open(os.path.join(marks, f"ran{rank}"), "w").close()
 
@@ -25,7 +31,7 @@ def _abort_first_time(rank, marks, init):
 def _abort_always(rank, marks):
     if rank == 0:
         os.write(2, b"about to abort again\n")
-        os.abort()
+        _abort()
 
 
 def _raise(rank, marks):
