@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..passes.aten_ops import rng_wrapped
+
 __all__ = ["RANDOM_FIXES", "RandomOpInGraphError", "random_ops", "without_rng_wrappers"]
 
 
@@ -27,13 +29,11 @@ def _draws_random(node: fx.Node) -> bool:
     activation checkpointing recomputes in the backward is wrapped by the partitioner
     (``run_and_save_rng_state(aten.rand, ...)``, and an attention op at ``dropout_p=0`` too):
     it draws as the op it wraps, with the arguments after it."""
-    if isinstance(node.target, torch._ops.HigherOrderOperator) and \
-            "rng_state" in node.target.name():
-        op = _wrapped_op(node)
-        if op is None:
-            return True
-        return _draws(op, node.args[node.args.index(op) + 1:], node.kwargs)
-    return _draws(node.target, node.args, node.kwargs)
+    wrapped = rng_wrapped(node)
+    if wrapped is None:
+        return _draws(node.target, node.args, node.kwargs)
+    op, args = wrapped
+    return op is None or _draws(op, args, node.kwargs)
 
 
 def _draws(target, args, kwargs) -> bool:
@@ -58,15 +58,11 @@ def _draws(target, args, kwargs) -> bool:
     return True
 
 
-def _wrapped_op(node: fx.Node):
-    """The op a higher-order wrapper node calls (``run_and_save_rng_state(aten.rand, ...)``)."""
-    return next((a for a in node.args if isinstance(a, torch._ops.OpOverload)), None)
-
-
 def _describe(node: fx.Node) -> str:
     target, meta = node.target, node.meta
-    if isinstance(target, torch._ops.HigherOrderOperator):  # a random op checkpointing redraws
-        target = _wrapped_op(node) or target
+    wrapped = rng_wrapped(node)
+    if wrapped is not None:  # a random op checkpointing redraws
+        target = wrapped[0] or target
         # The partitioner moved the op's metadata to the getitem that returns its value.
         meta = next((u.meta for u in node.users if u.args[1:] == (1,)), meta)
     text = f"{node.name} ({target})"
@@ -100,17 +96,13 @@ def without_rng_wrappers(gm: fx.GraphModule) -> int:
     """
     count = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or \
-                not isinstance(node.target, torch._ops.HigherOrderOperator) or \
-                "rng_state" not in node.target.name():
+        wrapped = rng_wrapped(node) if node.op == "call_function" else None
+        if wrapped is None or node.target.name() != "run_with_rng_state" or wrapped[0] is None:
             continue
-        op = _wrapped_op(node)
-        if node.target.name() != "run_with_rng_state" or op is None:
-            continue
-        args = node.args[node.args.index(op) + 1:]
+        op, args = wrapped
         if _draws(op, args, node.kwargs):
             continue
-        node.target, node.args = op, tuple(args)
+        node.target, node.args = op, args
         count += 1
     if count:
         gm.recompile()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["RESHAPES", "SPLITS", "TRANSPOSES", "node_arg", "norm_dim"]
+__all__ = ["RESHAPES", "SPLITS", "TRANSPOSES", "node_arg", "norm_dim", "rng_wrapped"]
 
 aten = torch.ops.aten
 
@@ -31,3 +31,15 @@ def norm_dim(dim, ndim: int):
     """``dim`` as a non-negative index into ``ndim`` dims (anything but a negative int is
     returned as it is)."""
     return dim + ndim if isinstance(dim, int) and dim < 0 else dim
+
+
+def rng_wrapped(node: fx.Node):
+    """``(op, its arguments)`` for a node of activation checkpointing's generator-state
+    wrappers (``run_and_save_rng_state(op, *args)`` in a forward graph,
+    ``run_with_rng_state(state, op, *args)`` in a backward graph); ``(None, ())`` for such a
+    wrapper around something that is not an aten op; None for any other node."""
+    target = node.target
+    if not isinstance(target, torch._ops.HigherOrderOperator) or "rng_state" not in target.name():
+        return None
+    op = next((a for a in node.args if isinstance(a, torch._ops.OpOverload)), None)
+    return (None, ()) if op is None else (op, tuple(node.args[node.args.index(op) + 1:]))

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from ..runtime.fx_values import node_val
-from .aten_ops import RESHAPES, TRANSPOSES, node_arg, norm_dim
+from .aten_ops import RESHAPES, TRANSPOSES, node_arg, norm_dim, rng_wrapped
 from .row_groups import collective_ops, is_collective
 from .row_lifted import Lifted, lifted_layout
 from .row_rules import (ALONG_DIM, BATCH_MIXING, FILLS, LOOKUPS, MATMULS, SIZE_TYPE, no_row_rule,
@@ -126,15 +126,14 @@ class _Analysis:
         """``run_and_save_rng_state(op, *args)``: (the generator's state, ``op(*args)``), the
         second laid out as ``op``'s rule says, on a stand-in node of ``op`` that carries the
         value the partitioner put on ``getitem(node, 1)``."""
-        op = next((a for a in node.args if isinstance(a, torch._ops.OpOverload)), None)
+        op, args = rng_wrapped(node)
         value = next((node_val(u) for u in node.users
                       if u.target is operator.getitem and u.args[1] == 1), None)
         if op is None or value is None:
             return Mixed(f"{op_label(node)}: a wrapped op this analysis cannot see")
         scratch = fx.Graph()
-        stand_in = scratch.create_node("call_function", op,
-                                       tuple(node.args[node.args.index(op) + 1:]),
-                                       dict(node.kwargs), name=node.name)
+        stand_in = scratch.create_node("call_function", op, args, dict(node.kwargs),
+                                       name=node.name)
         stand_in.meta["val"] = value
         try:  # (the stand-in is a user of the real inputs until it is erased)
             layout = self.visit(stand_in)
