@@ -1,20 +1,11 @@
 import os
 
-# Two pytest workers share the two cores of the machines this suite runs on (Makefile: -n 2),
-# and every rank they start runs on one thread (tests/ranks.py's callers). A worker's own ops
-# on one thread too: with torch's default (a thread per core) each worker's OpenMP threads
-# wait by spinning on the core the other worker needs; test_lean_step.py alone took 0.92-0.95
-# of the CPU with one thread. Set before torch is imported (libgomp reads it once), and
-# inherited by the processes the tests start (torchrun benches). OMP_NUM_THREADS=N keeps N.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 from collector import freeze, tune
 
 tune()
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # (if a plugin imported torch first)
 
 # A pass that raises inside the test suite is a bug to see, not a site to skip: the safety net
 # of the passes re-raises (spawned workers inherit this; the safety-net tests unset it).
