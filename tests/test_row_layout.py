@@ -42,6 +42,23 @@ def test_the_batch_left_outside_dim_0_is_mixed():
     assert isinstance(lifted, Mixed) and "outside dim 0" in lifted.reason
 
 
+def test_rows_picked_out_of_the_batch_are_named_as_picked_not_reduced():
+    """An op that takes the batch dim out: a reduction, or picked rows (``x[0]``, ``x[:2]``,
+    ``x[idx]``), which every row's output would then share. Both are "rows meet", each said as
+    what it is (the pick was worded "reduces over the batch")."""
+    def picks(x):
+        return (x[0] * 2, x[:2] + 1, x[torch.tensor([1, 0])], x.index_select(0, torch.tensor([1])),
+                x.sum(0))
+
+    reasons = [m.reason for m in _layouts(picks, (4, 3))]
+    assert all(isinstance(m, Mixed) for m in _layouts(picks, (4, 3)))
+    assert "aten.select.int" in reasons[0] and "picks row 0 of the batch" in reasons[0]
+    assert "picks 2 fixed rows of the batch" in reasons[1] and "slice" in reasons[1]
+    assert "picks 2 fixed rows of the batch" in reasons[2] and "aten.index.Tensor" in reasons[2]
+    assert "picks 1 fixed row of the batch" in reasons[3]
+    assert "aten.sum" in reasons[4] and "reduces over the batch" in reasons[4]
+
+
 def test_a_fill_fits_the_layout_it_is_combined_with():
     """RoPE written into an ``empty`` buffer by strided copies (Wan's attention): the buffer
     has no rows of its own, the copies bring two blocks of the batch."""
