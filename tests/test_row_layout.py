@@ -50,8 +50,9 @@ def test_rows_picked_out_of_the_batch_are_named_as_picked_not_reduced():
         return (x[0] * 2, x[:2] + 1, x[torch.tensor([1, 0])], x.index_select(0, torch.tensor([1])),
                 x.sum(0))
 
-    reasons = [m.reason for m in _layouts(picks, (4, 3))]
-    assert all(isinstance(m, Mixed) for m in _layouts(picks, (4, 3)))
+    layouts = _layouts(picks, (4, 3))
+    assert all(isinstance(m, Mixed) for m in layouts), layouts
+    reasons = [m.reason for m in layouts]
     assert "aten.select.int" in reasons[0] and "picks row 0 of the batch" in reasons[0]
     assert "picks 2 fixed rows of the batch" in reasons[1] and "slice" in reasons[1]
     assert "picks 2 fixed rows of the batch" in reasons[2] and "aten.index.Tensor" in reasons[2]

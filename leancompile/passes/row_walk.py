@@ -40,7 +40,7 @@ aten = torch.ops.aten
 RNG_WRAPPER = torch.ops.higher_order.run_and_save_rng_state
 
 
-def batch_taken_out(node: fx.Node, val: torch.Tensor) -> str:
+def _batch_taken_out(node: fx.Node, val: torch.Tensor) -> str:
     """What an op whose output has no batch left did to the batch dim (its input's dim 0), in
     words: picked rows out of it (``x[0]``, ``x[:2]``, ``x[idx]``: every row's output would be
     those rows') or reduced over it."""
@@ -131,7 +131,7 @@ class _Analysis:
         if isinstance(shaped, Mixed):
             return Mixed(f"{op_label(node)}: {shaped.reason}")
         if shaped is None:
-            return Mixed(f"{op_label(node)} {batch_taken_out(node, val)} (output shape "
+            return Mixed(f"{op_label(node)} {_batch_taken_out(node, val)} (output shape "
                          f"{tuple(val.shape)})")
         if is_collective(node.target) and node.target not in collective_ops()[1]:
             # Over dim 0 with the batch in it, pieces of dim 0 are rows: an exchange moves
