@@ -88,13 +88,14 @@ def summary(out: str = OUT, top: int = 15) -> None:
     if os.path.exists(os.path.join(out, "gxx.log")):
         with open(os.path.join(out, "gxx.log")) as f:
             for line in f:
-                user, system, _, test = (line.rstrip("\n").split(" ", 3) + [""] * 4)[:4]
+                user, system, test = (line.rstrip("\n").split(" ", 2) + [""])[:3]
                 gxx[test] += float(user) + float(system)
                 runs[test] += 1
     per_file = collections.defaultdict(lambda: [0.0, 0.0])
     for t in tests:
-        per_file[t["test"].split("::")[0]][0] += t["cpu"]
-        per_file[t["test"].split("::")[0]][1] += gxx.get(t["test"], 0.0)
+        row = per_file[t["test"].split("::")[0]]
+        row[0] += t["cpu"]
+        row[1] += gxx.get(t["test"], 0.0)
     print(f"{len(tests)} tests, {sum(t['cpu'] for t in tests):.0f} CPU-s; g++ "
           f"{sum(gxx.values()):.0f} CPU-s in {sum(runs.values())} runs")
     print(f"{'CPU s':>7} {'g++ s':>7}  file")

@@ -44,17 +44,17 @@ def _batch_taken_out(node: fx.Node, val: torch.Tensor) -> str:
     """What an op whose output has no batch left did to the batch dim (its input's dim 0), in
     words: picked rows out of it (``x[0]``, ``x[:2]``, ``x[idx]``: every row's output would be
     those rows') or reduced over it."""
-    src = node_val(node.args[0]) if node.args else None
-    dim = norm_dim(node_arg(node, 1, "dim", 0), src.dim()) \
-        if isinstance(src, torch.Tensor) and src.dim() and node.target in (
-            aten.select.int, aten.slice.Tensor, aten.index_select.default) else None
-    if node.target is aten.select.int and dim == 0:
-        return f"picks row {node_arg(node, 2, 'index', None)} of the batch"
-    if node.target in (aten.slice.Tensor, aten.index_select.default) and dim == 0 or \
-            node.target is aten.index.Tensor and node.args[1] and node.args[1][0] is not None:
-        n = static_size(val.shape[0]) if val.dim() else 1
-        return f"picks {n} fixed row{'s' * (n != 1)} of the batch"
-    return "reduces over the batch"
+    if node.target is aten.index.Tensor:
+        picked = node.args[1][0] is not None
+    else:
+        picked = node.target in (aten.select.int, aten.slice.Tensor,
+                                 aten.index_select.default) and touches_dim0(node, node.args[0])
+    if not picked:
+        return "reduces over the batch"
+    if node.target is aten.select.int:
+        return f"picks row {node.args[2]} of the batch"
+    n = static_size(val.shape[0]) if val.dim() else 1
+    return f"picks {n} fixed row{'s' * (n != 1)} of the batch"
 
 
 class _Analysis:
