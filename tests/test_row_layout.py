@@ -60,6 +60,25 @@ def test_rows_picked_out_of_the_batch_are_named_as_picked_not_reduced():
     assert "aten.sum" in reasons[4] and "reduces over the batch" in reasons[4]
 
 
+def test_rows_per_sample_that_are_a_dynamic_size():
+    """``torch.compile(dynamic=True)`` (here: every size symbolic): a linear layer on
+    ``[B, L, D]`` flattens to ``[B*L, D]``, ``L`` rows per sample with ``L`` a symbol; every
+    such row was "dim 0 is s0*s1, not a multiple of the batch size", and no update call of a
+    ``lean_compile(..., dynamic=True)`` step was served. A count that may not be a whole
+    number of rows per sample stays mixed."""
+    def tokens(x):
+        b, length, d = x.shape
+        flat = x.reshape(b * length, d) @ torch.ones(d, d)
+        return flat, flat.reshape(b, length, d) + 1, x.reshape(-1, 2 * d), torch.cat([flat, flat])
+
+    flat, back, halves, doubled = _layouts(tokens, (4, 6, 8))
+    # L's symbol (sympy), not the batch's
+    assert isinstance(flat, RowLayout) and flat.outer == 1 and flat.inner.is_Symbol, flat
+    assert back == RowLayout(1, 1)
+    assert isinstance(halves, Mixed), halves
+    assert doubled == RowLayout(2, flat.inner), doubled
+
+
 def test_a_fill_fits_the_layout_it_is_combined_with():
     """RoPE written into an ``empty`` buffer by strided copies (Wan's attention): the buffer
     has no rows of its own, the copies bring two blocks of the batch."""

@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from ..capture import StepGraphs
-from ..runtime.reuse import gather_rows
+from ..runtime.reuse import gather_rows, rows_per_sample
 
 __all__ = ["readable", "empty_outputs", "batch_independent", "cotangent_rows", "saved_size",
            "as_traced", "restrided", "traced_stride", "sizes_of", "concrete_size", "SLICES",
@@ -123,7 +123,8 @@ def row_shape(output: Tensor, layout, batch: int) -> tuple:
     """The shape of one row's share of ``output`` (all of it when it holds no rows)."""
     if layout is None or layout == "symint" or not hasattr(layout, "outer"):
         return tuple(output.shape)
-    return (layout.outer * layout.inner, *output.shape[1:])
+    return (layout.outer * rows_per_sample(layout.inner, [output], layout.outer, [batch]),
+            *output.shape[1:])
 
 
 def output_val(g: StepGraphs, j: int):

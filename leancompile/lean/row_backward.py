@@ -16,6 +16,7 @@ from ..capture import StepGraphs, without_rng_wrappers
 from ..passes.coalesced_sync import find_gradient_reductions, take_out_reductions
 from ..runtime.accumulate import accumulating
 from ..runtime.frameless import frameless
+from ..runtime.reuse import rows_per_sample
 from ..runtime.vmap_ops import dense_scatter_bases, unbatchable_collectives, vmap_friendly
 from .graphs import SLICES, row_shape, saved_size
 from .state import KeptCall
@@ -126,13 +127,14 @@ class RowBackward:
                 shared.append(kept.saved[k])
             elif layout != "symint":
                 t = kept.saved[k]
-                blocks = t.reshape(layout.outer, kept.batch, layout.inner, *t.shape[1:])
+                inner = rows_per_sample(layout.inner, [t], layout.outer, [kept.batch])
+                blocks = t.reshape(layout.outer, kept.batch, inner, *t.shape[1:])
                 blocks = blocks[:, rows[0]:rows[0] + len(rows)] if index is None else \
                     blocks.index_select(1, index)
                 # Contiguous: the batch-1 graph views its saved tensors as AOTAutograd saved
                 # them (several blocks per row come out strided otherwise).
                 per_row.append(blocks.movedim(1, 0).reshape(
-                    len(rows), layout.outer * layout.inner, *t.shape[1:]).contiguous())
+                    len(rows), layout.outer * inner, *t.shape[1:]).contiguous())
         symbols = {str(s): v for s, v in kept.symbols.items() if s != g.batch_symbol}
         key = (len(rows), q, tuple(sorted(symbols.items())), into is not None)
         run = self._compiled.get(key)

@@ -13,15 +13,19 @@ import sympy
 import torch
 
 __all__ = ["RowLayout", "Uniform", "Mixed", "layout_of_shape", "size_in_batch", "has_symbol",
-           "size_expr", "batch_dim0", "static_size", "dim0_of"]
+           "size_expr", "batch_dim0", "static_size", "dim0_of", "row_count"]
 
 
 @dataclass(frozen=True)
 class RowLayout:
-    """dim 0 = ``outer * s * inner``; sample r's entries at ``(o * s + r) * inner + i``."""
+    """dim 0 = ``outer * s * inner``; sample r's entries at ``(o * s + r) * inner + i``.
+    ``inner`` is an int, or a product of other sizes where those are dynamic too
+    (``torch.compile(dynamic=True)``: a ``[B, L, D]`` activation flattened to ``[B*L, D]`` for
+    a matmul has ``L`` rows per sample); the runtime reads such a count off each tensor
+    (``runtime.reuse.rows_per_sample``)."""
 
     outer: int
-    inner: int
+    inner: int | sympy.Expr
 
     def __str__(self) -> str:
         if self.outer == 1:
@@ -60,10 +64,31 @@ def layout_of_shape(shape, symbol) -> RowLayout | Mixed | None:
         return None
     if any(has_symbol(d, symbol) for d in shape[1:]):
         return Mixed(f"the batch is outside dim 0 (shape {tuple(shape)})")
-    ratio = sympy.simplify(size_expr(shape[0]) / symbol)
-    if not (ratio.is_Integer and ratio > 0):
+    ratio = row_count(size_expr(shape[0]) / symbol, symbol)
+    if ratio is None:
         return Mixed(f"dim 0 is {shape[0]}, not a multiple of the batch size")
-    return RowLayout(1, int(ratio))
+    return RowLayout(1, ratio)
+
+
+def row_count(expr, symbol):
+    """``expr`` as a count of rows (per sample, or of blocks): an int when it is a positive
+    one; a product of other sizes (positive integer symbols) times a positive int, where those
+    sizes are dynamic; None otherwise (it holds the batch symbol, or may not be a positive
+    whole number: ``s1/2``, ``s1 - 1``)."""
+    expr = sympy.simplify(expr)
+    if expr.is_Integer:
+        return int(expr) if expr > 0 else None
+    if symbol in expr.free_symbols:
+        return None
+    coeff, rest = expr.as_coeff_Mul()
+    if not (coeff.is_Integer and coeff > 0):
+        return None
+    for factor in sympy.Mul.make_args(rest):
+        base, exp = factor.as_base_exp()
+        if not (base.is_Symbol and base.is_integer and base.is_positive and exp.is_Integer
+                and exp > 0):
+            return None
+    return expr
 
 
 def size_in_batch(size, symbol):

@@ -32,7 +32,7 @@ from .row_lifted import Lifted, lifted_layout
 from .row_rules import (ALONG_DIM, BATCH_MIXING, FILLS, LOOKUPS, MATMULS, SIZE_TYPE, no_row_rule,
                         op_label, permutation, touches_dim0)
 from .row_types import (Mixed, RowLayout, Uniform, batch_dim0, dim0_of, has_symbol,
-                        layout_of_shape, size_expr, static_size)
+                        layout_of_shape, row_count, size_expr, static_size)
 
 __all__ = ["find_row_layouts"]
 
@@ -321,11 +321,11 @@ class _Analysis:
         rest_out = sympy.Integer(1)
         for d in val.shape[1:]:
             rest_out *= size_expr(d)
-        per_sample = sympy.simplify(layout.inner * rest_in / rest_out)
+        per_sample = row_count(layout.inner * rest_in / rest_out, symbol)
         dim0 = size_expr(val.shape[0])
-        if per_sample.is_Integer and per_sample > 0 and \
+        if per_sample is not None and \
                 sympy.simplify(dim0 - layout.outer * symbol * per_sample) == 0:
-            return RowLayout(layout.outer, int(per_sample))
+            return RowLayout(layout.outer, per_sample)
         return Mixed(f"{op_label(node)} reshapes dim 0 across samples "
                      f"({tuple(source.shape)} -> {tuple(val.shape)})")
 

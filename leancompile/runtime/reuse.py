@@ -143,10 +143,11 @@ class RowGather:
                 else:
                     self.runs.append((s, r, 1))
 
-    def __call__(self, tensors: list[Tensor], outer: int, inner: int) -> Tensor:
+    def __call__(self, tensors: list[Tensor], outer: int, inner) -> Tensor:
         first = tensors[0]
         if self.identity and len(tensors) == 1:
             return first
+        inner = rows_per_sample(inner, tensors, outer, self.batches)
         slab = _slab_layout(tensors, self.batches, inner) if outer == 1 else None
         small = self.identity or (
             first.numel() * first.element_size() // max(1, self.batches[0])
@@ -210,9 +211,10 @@ def _sample_slab(shape: tuple, stride: tuple, batch: int, inner: int):
     return dense * inner, (inner, *shape[1:]), (dense, *stride[1:])
 
 
-def gather_rows(pieces: list[tuple[Tensor, int, list[int]]], outer: int, inner: int) -> Tensor:
+def gather_rows(pieces: list[tuple[Tensor, int, list[int]]], outer: int, inner) -> Tensor:
     """The rows ``rows`` of each ``(tensor, batch, rows)`` piece, concatenated in order, for
     tensors whose dim 0 is ``outer`` blocks of ``batch`` samples of ``inner`` rows."""
+    inner = rows_per_sample(inner, [t for t, _, _ in pieces], outer, [b for _, b, _ in pieces])
     parts = []
     for tensor, batch, rows in pieces:
         blocks = tensor.reshape(outer, batch, inner, *tensor.shape[1:])
@@ -223,6 +225,29 @@ def gather_rows(pieces: list[tuple[Tensor, int, list[int]]], outer: int, inner: 
             parts.append(blocks.index_select(1, _row_index(rows, tensor.device)))
     joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     return joined.reshape(-1, *joined.shape[3:]).contiguous()
+
+
+def rows_per_sample(inner, tensors: list[Tensor], outer: int, batches: list[int]) -> int:
+    """A row layout's ``inner`` (rows per sample in each of ``outer`` blocks) for ``tensors``
+    of ``batches`` samples each: the int itself, or, where it is a count of other sizes the
+    graph holds dynamic (``RowLayout.inner`` a sympy expression), that count read off the
+    tensors' dim 0, which every tensor must agree on."""
+    if isinstance(inner, int):
+        return inner
+    counts = set()
+    for t, batch in zip(tensors, batches):
+        count, rest = divmod(t.shape[0], outer * batch) if outer * batch else (0, 1)
+        if rest or count <= 0:
+            raise RuntimeError(
+                f"leancompile: a kept tensor of shape {tuple(t.shape)} is not {outer} block(s) "
+                f"of {batch} samples of {inner} rows; this is a bug in leancompile, please "
+                f"report it (the update call can run with schedule='recompute')")
+        counts.add(count)
+    if len(counts) != 1:
+        raise RuntimeError(
+            f"leancompile: kept calls disagree on {inner} rows per sample ({sorted(counts)}); "
+            f"this is a bug in leancompile, please report it (schedule='recompute' avoids it)")
+    return counts.pop()
 
 
 @functools.lru_cache(maxsize=1024)
