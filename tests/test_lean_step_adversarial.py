@@ -1341,3 +1341,57 @@ def test_dynamic_shapes_reuse_the_rollout(schedule, mechanism):
     assert step.stats.mechanisms == {mechanism: 12}, step.stats.summary()
     for epoch, (a, b) in enumerate(zip(got, want)):
         assert _rel(a, b) <= 1e-5, (epoch, _rel(a, b))
+
+
+class PositionsFirst(nn.Module):
+    """A step whose first argument is a ``[L, 3]`` position table (no batch), then the
+    ``[B, L, D]`` latents and the ``[B]`` timesteps, as FLUX's ``img_ids`` passed first."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pos, self.inp, self.out = nn.Linear(3, D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, ids, x, t):
+        return self.out(torch.tanh(self.inp(x) + self.pos(ids)[None] + t[:, None, None]))
+
+
+def _positions_loop(model, step, length):
+    fn = (lambda ids, x, t, target: -(target - model(ids, x, t)).square().mean((1, 2))) \
+        if step is None else step
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randn(length, 3, generator=g)
+    xs = [torch.randn(4, length, D, generator=g)]
+    targets = [torch.randn(4, length, D, generator=g) for _ in range(3)]
+    adv = torch.randn(4, generator=g)
+    with _phase(step, "rollout", train=3), torch.no_grad():
+        for k in range(3):
+            fn(ids, xs[-1], torch.full((4,), float(k)), targets[k])
+            xs.append(xs[-1] + 0.1 * targets[k])
+    with _phase(step, "update"):
+        for rows in SHUFFLED:
+            for k in range(3):
+                lp = fn(ids, xs[k][rows], torch.full((2,), float(k)), targets[k][rows])
+                (-(adv[rows] * lp).mean()).backward()
+    return _grads(model)
+
+
+@pytest.mark.parametrize("compiler,length,dynamic", [("inductor", 6, False),
+                                                     ("aot_eager", 4, True)])
+def test_the_batch_is_what_most_arguments_share_not_the_first_arguments_dim_0(
+        compiler, length, dynamic):
+    """The step took the first tensor argument's dim 0 for the batch: with a ``[6, 3]``
+    position table first, 6 was the batch, no row was regrouped and Reweight refused the
+    per-row log-prob ("returns none"). Under ``dynamic=True`` a table of 4 rows beside a batch
+    of 4 has a symbol of its own, which a probe saw taken for the batch's (this cell passed
+    before too: which symbol Dynamo numbers first varies). Now the dim 0 most tensor
+    arguments share, and its symbol: every update call served, exact."""
+    want = _positions_loop(PositionsFirst(), None, length)
+    for schedule, mechanism in (("retain", "gathered rows"), ("reweight", "per-row gradients")):
+        model = PositionsFirst()
+        step = leancompile.lean_compile(
+            lambda ids, x, t, target: -(target - model(ids, x, t)).square().mean((1, 2)),
+            backend=compiler, schedule=schedule, **({"dynamic": True} if dynamic else {}))
+        got = _positions_loop(model, step, length)
+        assert step.stats.mechanisms == {mechanism: 6}, step.stats.summary()
+        assert _rel(got, want) <= 1e-5, (schedule, _rel(got, want))

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import traceback
 
@@ -59,6 +60,7 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 
+import leancompile  # noqa: E402
 from leancompile.demos import real_loops as R  # noqa: E402
 
 SCHEDULES = ("retain", "auto", "recompute")
@@ -250,6 +252,20 @@ def test_dance_grpo_train_flux(runs, backend, precision, schedule):
     # call as it is; the update passes the float32 copy the trajectory stack made of it
     _assert_reuse(got, schedule, DANCE_WINDOW, unmatched_steps=(0,) if precision == "bf16"
                   else ())
+
+
+def test_dance_grpo_train_flux_compiled_with_dynamic_shapes(monkeypatch):
+    """The step compiled ``dynamic=True`` (every size symbolic). The script samples in
+    ``eval()`` and trains in ``train()``: two Dynamo graphs, which numbered their sizes apart
+    (the rollout's ``s50 + s57``, the update's ``s57 + s9``) and lifted the stride of the
+    trajectory's column ``latents[:, j]`` as a size of its own, so no update call was matched.
+    Served as the static step is, with the static step's gradients."""
+    monkeypatch.setattr(leancompile, "lean_compile",
+                        functools.partial(leancompile.lean_compile, dynamic=True))
+    out = _compute("dance", "aot_eager", "fp32", ("retain",))
+    got, plain = _result(out, "retain"), out["plain"]
+    _assert_same(got, plain, TOL[("fp32", "aot_eager")], LOG_PROB_TOL["fp32"])
+    _assert_reuse(got, "retain", DANCE_WINDOW)
 
 
 def test_flow_grpo_kl_gradient_present(runs):

@@ -31,7 +31,8 @@ __all__ = ["capture_graph"]
 def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: str,
                   sample_output: int | None = None,
                   memory_budget: float | None = None,
-                  reshard_after_forward: bool = False) -> StepGraphs:
+                  reshard_after_forward: bool = False,
+                  batch: int | None = None) -> StepGraphs:
     """Trace a Dynamo graph through AOTAutograd into forward + backward graphs and an inference
     graph (the forward without what it saves, ``without_saved``; a traced one when nothing
     needs gradients), each to run ``graph_pass`` (leancompile's pipeline, a ``LeanGraphPass``)
@@ -44,8 +45,9 @@ def capture_graph(gm: fx.GraphModule, example_inputs, *, graph_pass, compiler: s
 
     ``reshard_after_forward``: parameters all-gathered inside the step are gathered again in
     the backward instead of saved full-size (``passes/regather_params.py``; ``regather`` in
-    the result says which)."""
-    roles, symbol = input_roles(gm, example_inputs)
+    the result says which). ``batch``: the traced call's batch size, where known (a symbolic
+    dim 0 of another size is then not taken for the batch: ``input_roles``)."""
+    roles, symbol = input_roles(gm, example_inputs, batch=batch)
     _refuse_wrapper_subclasses(example_inputs, roles)
     patches = {"enable_autograd_cache": False}
     if memory_budget is not None:  # the partitioner saves less and recomputes more

@@ -38,6 +38,7 @@ def structural_hashes(gm: fx.GraphModule, roles: list[InputRole], cut: int | Non
     outs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
     cut_node = outs[cut] if cut is not None and isinstance(outs[cut], fx.Node) else None
     memo: dict[fx.Node, str] = {}
+    names = _size_names(placeholders, roles)
 
     def value(a) -> str:
         if isinstance(a, fx.Node):
@@ -47,7 +48,7 @@ def structural_hashes(gm: fx.GraphModule, roles: list[InputRole], cut: int | Non
         if isinstance(a, dict):
             return "{" + ",".join(f"{k}:{value(v)}" for k, v in sorted(a.items())) + "}"
         if isinstance(a, torch.SymInt):
-            return f"sym({a.node.expr})"
+            return f"sym({a.node.expr.xreplace(names)})"
         return repr(a)
 
     for node in gm.graph.nodes:  # topological: every input is hashed before its users
@@ -60,6 +61,9 @@ def structural_hashes(gm: fx.GraphModule, roles: list[InputRole], cut: int | Non
         elif node.op == "placeholder":
             source = roles[index[node]].source
             memo[node] = source if source == "<sample>" else f"in({source})"
+        elif node.target is torch.sym_sum:  # (its terms in the order of their symbols' names)
+            text = f"{node.op}:sym_sum:{sorted(value(a) for a in node.args[0])}"
+            memo[node] = hashlib.sha256(text.encode()).hexdigest()[:32]
         else:
             text = f"{node.op}:{node.target}:{value(node.args)}:{value(node.kwargs)}"
             memo[node] = hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -75,6 +79,30 @@ def structural_hashes(gm: fx.GraphModule, roles: list[InputRole], cut: int | Non
             reached.add(index[node])
         stack.extend(node.all_input_nodes)
     return hashes, sorted(reached)
+
+
+def _size_names(placeholders: list[fx.Node], roles: list[InputRole]) -> dict:
+    """Each size symbol of the graph's inputs -> a symbol named for where it is first bound (a
+    size input's role source, else ``<source>.size(d)`` of the first tensor input holding it):
+    two traces of the same code number their symbols in the order Dynamo met them (``s50``
+    in the rollout's graph, ``s9`` in the update's under ``dynamic=True``), which would make
+    the same computation hash apart."""
+    import sympy
+
+    names: dict = {}
+    for i, node in enumerate(placeholders):
+        val = node.meta.get("val")
+        source = roles[i].source if i < len(roles) else node.name
+        if isinstance(val, torch.SymInt):
+            expr = val.node.expr
+            if isinstance(expr, sympy.Symbol) and expr not in names:
+                names[expr] = sympy.Symbol(f"in({source})")
+        elif isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                expr = size.node.expr if isinstance(size, torch.SymInt) else None
+                if isinstance(expr, sympy.Symbol) and expr not in names:
+                    names[expr] = sympy.Symbol(f"in({source}).size({d})")
+    return names
 
 
 _IN_PLACE_OPERATORS = {"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod",

@@ -35,14 +35,17 @@ class InputRole:
     """Rows per sample when dim 0 is the batch (a batch-major input), else 0."""
 
 
-def input_roles(gm: fx.GraphModule, example_inputs) -> tuple[list[InputRole], object]:
+def input_roles(gm: fx.GraphModule, example_inputs, *,
+                batch: int | None = None) -> tuple[list[InputRole], object]:
     """(the role of each placeholder of ``gm``, the batch symbol or None): with a batch symbol,
     each tensor argument whose dim 0 is it has ``batch_rows=1`` and the size input that is it
-    is named ``<batch>``."""
+    is named ``<batch>``. ``batch``: the batch size of the call being traced, where the caller
+    knows it; a symbolic dim 0 of another size is not the batch (under ``dynamic=True`` every
+    size is symbolic, and the first tensor Dynamo reads may be a ``[L, 3]`` position table)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     roles = [_role(p, v) for p, v in zip(placeholders, example_inputs)]
     fakes = [_fake(p, v) for p, v in zip(placeholders, example_inputs)]
-    symbol = _batch_symbol(fakes, roles)
+    symbol = _batch_symbol(fakes, roles, batch)
     if symbol is not None:
         roles = [InputRole(source=r.source, kind=r.kind, batch_rows=1)
                  if r.kind == "tensor" and isinstance(v, torch.Tensor) and v.dim()
@@ -77,10 +80,16 @@ def _fake(node: fx.Node, value):
     return fake if fake is not None else value
 
 
-def _batch_symbol(fakes, roles):
+def _batch_symbol(fakes, roles, batch: int | None = None):
+    """The symbol that is dim 0 of the most tensor arguments (the first, on a tie), among those
+    of size ``batch`` where it is given: ``[L, 3]`` ids and ``[B, L, D]`` latents of one size
+    under ``dynamic=True`` have two symbols of the same size, and the latents, the timesteps
+    and the targets share the batch's."""
+    counts: dict = {}
     for value, role in zip(fakes, roles):
         if role.kind == "tensor" and isinstance(value, torch.Tensor) and value.dim():
             d0 = value.shape[0]
-            if isinstance(d0, torch.SymInt) and d0.node.expr.is_Symbol:
-                return d0.node.expr
-    return None
+            if isinstance(d0, torch.SymInt) and d0.node.expr.is_Symbol and (
+                    batch is None or d0.node.hint == batch):
+                counts[d0.node.expr] = counts.get(d0.node.expr, 0) + 1
+    return max(counts, key=counts.get) if counts else None

@@ -89,7 +89,8 @@ class _Backend:
                                compiler=step.options.compiler,
                                sample_output=step.config.sample_output,
                                memory_budget=step.config.partitioner_budget,
-                               reshard_after_forward=step.config.reshard_after_forward)
+                               reshard_after_forward=step.config.reshard_after_forward,
+                               batch=step._state_batch)
         graphs.report = report
         record_report(report)
         step.reports.append(report)
@@ -168,6 +169,18 @@ def _entry(fn: Callable, module_hooks: list) -> Callable:
     return call
 
 
+def _batch_of(tensors) -> int:
+    """A call's batch size: the dim 0 most of its tensor arguments share (the first such, on a
+    tie; 1 without any). The first argument's alone was taken before: a step reading a
+    ``[L, 3]`` position table ahead of its ``[B, L, D]`` latents took ``L`` for the batch,
+    and its rows were never regrouped (nor its per-row log-prob seen)."""
+    counts: dict[int, int] = {}
+    for t in tensors:
+        if t.dim() >= 1:
+            counts[t.shape[0]] = counts.get(t.shape[0], 0) + 1
+    return max(counts, key=counts.get) if counts else 1
+
+
 def _rename_sample(gm: fx.GraphModule, sample_arg: str | None) -> None:
     """Hash the update's sample argument under the name the rollout's drawn sample gets."""
     if sample_arg is None:
@@ -236,7 +249,7 @@ class LeanStep:
         if any(to_copy(t) for t in tensors):  # (one graph per layout otherwise)
             args, kwargs, copies = densely(args, kwargs)
             tensors = tensors_of(args, kwargs)
-        batch = next((t.shape[0] for t in tensors if t.dim() >= 1), 1)
+        batch = _batch_of(tensors)
         if batch > 1:
             for t in tensors:
                 if t.dim() >= 1 and t.shape[0] == batch:

@@ -53,8 +53,25 @@ def _expanded(t: Tensor) -> bool:
 
 
 def to_copy(t: Tensor) -> bool:
-    """Whether ``densely`` copies ``t``: a plain tensor, strided, not an expand."""
-    return type(t) is Tensor and not is_dense(t) and not _expanded(t)
+    """Whether ``densely`` replaces ``t``: a plain tensor, strided (not an expand), or
+    contiguous with a stride a fresh tensor would not have at a dim of size 1."""
+    return type(t) is Tensor and ((not is_dense(t) and not _expanded(t)) or _odd_unit_strides(t))
+
+
+def _odd_unit_strides(t: Tensor) -> bool:
+    """Whether ``t`` is contiguous but a dim of size 1 has another stride than a fresh tensor's
+    (``latents[:, j]`` of a ``[1, T, N, C]`` trajectory: stride ``T*N*C`` at dim 0). Torch
+    calls it contiguous, and a static graph does not care; under ``dynamic=True`` Dynamo
+    gives that stride a size symbol of its own, so the update's graph takes one input more
+    than the rollout's and no call is matched."""
+    if t.layout is not torch.strided or not t.is_contiguous():
+        return False
+    expected = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+        if size == 1 and stride != expected:
+            return True
+        expected *= max(size, 1)
+    return False
 
 
 def densely(args, kwargs):
@@ -80,7 +97,9 @@ def densely(args, kwargs):
     - an expanded tensor (a stride 0 along a dim: a broadcast mask, FlowGRPO's
       ``guidance.expand(B)``): its copy could be many times its memory, and a kept call would
       hold it;
-    - a dense or channels-last tensor.
+    - a dense or channels-last tensor; but a contiguous one with another stride at a dim of
+      size 1 than a fresh tensor has (``_odd_unit_strides``) is passed as a view of the same
+      memory with a fresh tensor's strides (no copy).
 
     One copy per tensor: a tensor passed twice is one copy passed twice (one graph input, as
     the rollout's). The copy is differentiable, so a caller's gradient reaches the tensor it
@@ -96,7 +115,9 @@ def densely(args, kwargs):
                 return value
             copy = made.get(id(value))
             if copy is None:
-                copy = made[id(value)] = value.contiguous()
+                # (a contiguous one: the same memory, viewed with a fresh tensor's strides)
+                copy = made[id(value)] = value.contiguous() if not value.is_contiguous() \
+                    else value.reshape(-1).view(value.shape)
                 copies[id(copy)] = value
             return copy
         if isinstance(value, tuple):
