@@ -170,15 +170,11 @@ def _entry(fn: Callable, module_hooks: list) -> Callable:
 
 
 def _batch_of(tensors) -> int:
-    """A call's batch size: the dim 0 most of its tensor arguments share (the first such, on a
-    tie; 1 without any). The first argument's alone was taken before: a step reading a
-    ``[L, 3]`` position table ahead of its ``[B, L, D]`` latents took ``L`` for the batch,
-    and its rows were never regrouped (nor its per-row log-prob seen)."""
-    counts: dict[int, int] = {}
-    for t in tensors:
-        if t.dim() >= 1:
-            counts[t.shape[0]] = counts.get(t.shape[0], 0) + 1
-    return max(counts, key=counts.get) if counts else 1
+    """A call's batch size: its first tensor argument's dim 0 (1 without any). (The dim 0 most
+    arguments share would serve a step taking a ``[L, 3]`` position table first, but take
+    ``L`` for a step taking ``(x, cos, sin)`` with two ``[L, D]`` rotary tables; such a step
+    is served whole-call only, exact.)"""
+    return next((t.shape[0] for t in tensors if t.dim() >= 1), 1)
 
 
 def _rename_sample(gm: fx.GraphModule, sample_arg: str | None) -> None:
