@@ -121,8 +121,10 @@ class KeptRollout:
                 raise ValueError(
                     "schedule='reweight' keeps one gradient per row of a per-row scalar output "
                     "(a log-prob), and the wrapped function returns none (outputs "
-                    f"{[tuple(output_shape(g, j)) for j in range(g.num_outputs)]}): wrap the whole "
-                    "step (velocity + SDE + log-prob), or use schedule='retain'")
+                    f"{[tuple(output_shape(g, j)) for j in range(g.num_outputs)]}, the batch "
+                    f"taken as {batch}, the first tensor argument's dim 0): wrap the whole step "
+                    "(velocity + SDE + log-prob), pass a batch-major tensor first, or use "
+                    "schedule='retain'")
             return "reweight", ""
         if schedule == "retain":
             return "retain", ""
