@@ -65,7 +65,7 @@ from ..passes.lean_grpo import reweight_rows_per_backward
 from ..report import Report, record_report
 from .config import SCHEDULE_CHOICES, StepConfig, StepReport, StepStats
 from .graphs import numel_per_row
-from .inputs import densely, given_back, tensors_of, to_copy
+from .inputs import call_batch_size, densely, given_back, tensors_of, to_copy
 from .runtime import GraphRuntime, warn_little_reuse
 from .state import StepState, TrainSpec, free_memory_bytes, sample_ids
 
@@ -169,14 +169,6 @@ def _entry(fn: Callable, module_hooks: list) -> Callable:
     return call
 
 
-def _batch_of(tensors) -> int:
-    """A call's batch size: its first tensor argument's dim 0 (1 without any). (The dim 0 most
-    arguments share would serve a step taking a ``[L, 3]`` position table first, but take
-    ``L`` for a step taking ``(x, cos, sin)`` with two ``[L, D]`` rotary tables; such a step
-    is served whole-call only, exact.)"""
-    return next((t.shape[0] for t in tensors if t.dim() >= 1), 1)
-
-
 def _rename_sample(gm: fx.GraphModule, sample_arg: str | None) -> None:
     """Hash the update's sample argument under the name the rollout's drawn sample gets."""
     if sample_arg is None:
@@ -245,7 +237,7 @@ class LeanStep:
         if any(to_copy(t) for t in tensors):  # (one graph per layout otherwise)
             args, kwargs, copies = densely(args, kwargs)
             tensors = tensors_of(args, kwargs)
-        batch = _batch_of(tensors)
+        batch = call_batch_size(tensors)
         if batch > 1:
             for t in tensors:
                 if t.dim() >= 1 and t.shape[0] == batch:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["tensors_of", "is_dense", "to_copy", "densely", "given_back"]
+__all__ = ["tensors_of", "call_batch_size", "is_dense", "to_copy", "densely", "given_back"]
 
 
 def tensors_of(args, kwargs) -> list[Tensor]:
@@ -34,6 +34,14 @@ def tensors_of(args, kwargs) -> list[Tensor]:
         elif isinstance(value, dict):
             stack.extend(reversed(list(value.values())))
     return found
+
+
+def call_batch_size(tensors) -> int:
+    """A call's batch size: its first tensor argument's dim 0 (1 without any). (The dim 0 most
+    arguments share would serve a step taking a ``[L, 3]`` position table first, but take
+    ``L`` for a step taking ``(x, cos, sin)`` with two ``[L, D]`` rotary tables; such a step
+    is served whole-call only, exact.)"""
+    return next((t.shape[0] for t in tensors if t.dim() >= 1), 1)
 
 
 def is_dense(t: Tensor) -> bool:
