@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -87,12 +88,10 @@ def _size_names(placeholders: list[fx.Node], roles: list[InputRole]) -> dict:
     two traces of the same code number their symbols in the order Dynamo met them (``s50``
     in the rollout's graph, ``s9`` in the update's under ``dynamic=True``), which would make
     the same computation hash apart."""
-    import sympy
-
     names: dict = {}
     for i, node in enumerate(placeholders):
         val = node.meta.get("val")
-        source = roles[i].source if i < len(roles) else node.name
+        source = roles[i].source
         if isinstance(val, torch.SymInt):
             expr = val.node.expr
             if isinstance(expr, sympy.Symbol) and expr not in names:

@@ -214,7 +214,9 @@ def _sample_slab(shape: tuple, stride: tuple, batch: int, inner: int):
 def gather_rows(pieces: list[tuple[Tensor, int, list[int]]], outer: int, inner) -> Tensor:
     """The rows ``rows`` of each ``(tensor, batch, rows)`` piece, concatenated in order, for
     tensors whose dim 0 is ``outer`` blocks of ``batch`` samples of ``inner`` rows."""
-    inner = rows_per_sample(inner, [t for t, _, _ in pieces], outer, [b for _, b, _ in pieces])
+    if not isinstance(inner, int):
+        inner = rows_per_sample(inner, [t for t, _, _ in pieces], outer,
+                                [b for _, b, _ in pieces])
     parts = []
     for tensor, batch, rows in pieces:
         blocks = tensor.reshape(outer, batch, inner, *tensor.shape[1:])
